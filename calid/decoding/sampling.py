@@ -1,0 +1,56 @@
+"""Sampling helpers as pure tensor functions.
+
+``warp`` turns logits into the distribution actually sampled from (temperature,
+then top-k, then top-p), so that every acceptance rule can apply the same
+processing to draft (q) and target (p) distributions. Temperature 0 means
+greedy: the distribution is one-hot on the argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Warp:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp(logits: torch.Tensor, w: Warp) -> torch.Tensor:
+    """logits [N, V] -> probabilities [N, V] (fp32) after temperature, top-k, top-p."""
+    logits = logits.float()
+    if w.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / w.temperature
+    if 0 < w.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, w.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if w.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the top-1 always stays)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= w.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs [N, V] -> token ids [N]; one-hot rows give their argmax deterministically."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device="cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,142 @@
+"""A compact Llama-family decoder (Llama, Qwen2, SmolLM2) over ragged batches.
+
+The model holds no distributed logic and no cache policy: it reads and writes
+the per-sequence KV caches named in a :class:`~calid.runtime.batch.Batch`.
+Projections are fused (q|k|v and gate|up) so each layer does four matmuls over
+all new tokens of the batch at once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from calid.models.config import ModelConfig
+from calid.runtime.batch import Batch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE tables, grown on demand; rotate-half layout as in HF checkpoints."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self._cos = self._sin = None
+
+    def tables(self, max_pos: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._cos.shape[0] < max_pos or self._cos.dtype != dtype or self._cos.device != device:
+            n = max(max_pos, 2 * (self._cos.shape[0] if self._cos is not None else 256))
+            inv_freq = 1.0 / (
+                self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim)
+            )
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32, device=device), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return self._cos, self._sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
+        T = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        out = torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for s in batch.seqs:
+            s.cache.write(self.layer, s.past, k[s.start : s.end].transpose(0, 1), v[s.start : s.end].transpose(0, 1))
+            keys, values = s.cache.view(self.layer, s.past + s.q_len)
+            o = F.scaled_dot_product_attention(
+                q[s.start : s.end].transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
+                keys.unsqueeze(0),  # [1, KV, past+q, D]
+                values.unsqueeze(0),
+                attn_mask=s.attn_mask(),
+                is_causal=s.is_causal_from_zero and s.q_len > 1,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[s.start : s.end] = o[0].transpose(0, 1)
+        return self.wo(out.view(T, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split([self.intermediate, self.intermediate], dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, batch: Batch) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, batch)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        """Final-norm hidden states [L, hidden] at ``batch.logits_index``; writes K/V into the caches."""
+        x = self.embed(batch.input_ids)
+        cos, sin = self.rotary.tables(int(batch.positions.max()) + 1, x.dtype, x.device)
+        cos, sin = cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)
+        for block in self.layers:
+            x = block(x, cos, sin, batch)
+        return self.norm(x[batch.logits_index])
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits [L, vocab] at ``batch.logits_index``."""
+        return self.lm_head(self.hidden_states(batch))

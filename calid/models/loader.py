@@ -1,0 +1,145 @@
+"""Load a converted model folder into :class:`LlamaModel` plus its tokenizer."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from calid.errors import ModelSourceError
+from calid.models.config import ModelConfig
+from calid.models.llama import LlamaModel
+from calid.models.source import ModelSource, resolve
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: LlamaModel
+    tokenizer: object  # transformers tokenizer
+    eos_ids: frozenset[int]
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelSourceError(f"unknown dtype {name!r} (choose from fp32, bf16)") from None
+
+
+def parse_device(name: str | torch.device) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelSourceError("device 'cuda' requested but no CUDA GPU is available")
+    return device
+
+
+def load_model(spec: str | ModelSource, dtype="fp32", device="cpu", show_progress: bool = True) -> LoadedModel:
+    source = spec if isinstance(spec, ModelSource) else resolve(spec, show_progress)
+    dtype, device = parse_dtype(dtype), parse_device(device)
+    cfg = ModelConfig.from_dir(source.path)
+    model = build_model(cfg, load_state_dict(source.path), dtype, device)
+    tokenizer = load_tokenizer(source.path)
+    return LoadedModel(source.spec, source.path, model, tokenizer, eos_token_ids(source.path, tokenizer))
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(path: Path, tokenizer) -> frozenset[int]:
+    """EOS ids from the generation config and the tokenizer (instruct models end turns with their own token)."""
+    ids: set[int] = set()
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"no .safetensors weights in {path}")
+    state = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                state[name] = f.get_tensor(name)
+    return state
+
+
+def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], dtype, device) -> LlamaModel:
+    """Instantiate on the meta device, then adopt the HF tensors (fusing qkv and gate/up)."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    take = _Taker(hf_state)
+    params = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        params[ours + "attn.wqkv.weight"] = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
+        if cfg.qkv_bias:
+            params[ours + "attn.wqkv.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+        params[ours + "attn.wo.weight"] = take(attn + "o_proj.weight")
+        params[ours + "mlp.w_gate_up.weight"] = torch.cat(
+            [take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")]
+        )
+        params[ours + "mlp.w_down.weight"] = take(hf + "mlp.down_proj.weight")
+        params[ours + "attn_norm.weight"] = take(hf + "input_layernorm.weight")
+        params[ours + "mlp_norm.weight"] = take(hf + "post_attention_layernorm.weight")
+    if "lm_head.weight" in hf_state and not cfg.tie_word_embeddings:
+        params["lm_head.weight"] = take("lm_head.weight")
+    take.check_all_used(ignore={"lm_head.weight"})
+
+    for name, tensor in params.items():
+        _assign(model, name, tensor.to(device=device, dtype=dtype))
+    if "lm_head.weight" not in params:
+        model.lm_head.weight = model.embed.weight  # tied
+    model.eval()
+    return model
+
+
+class _Taker:
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state, self.used = state, set()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.state:
+            raise ModelSourceError(f"checkpoint is missing tensor {name}")
+        self.used.add(name)
+        return self.state[name]
+
+    def check_all_used(self, ignore: set[str]) -> None:
+        left = set(self.state) - self.used - ignore
+        if left:
+            raise ModelSourceError(f"checkpoint has tensors this decoder does not use: {sorted(left)[:5]}")
+
+
+def _assign(model: nn.Module, dotted: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = dotted.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    expected = getattr(owner, attr).shape
+    if tuple(expected) != tuple(tensor.shape):
+        raise ModelSourceError(f"tensor {dotted} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+    setattr(owner, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))

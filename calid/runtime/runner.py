@@ -1,0 +1,124 @@
+"""ModelRunner: one model, its KV caches, and batched forwards over sequences.
+
+Callers speak in token ids. ``sync(seq_id, token_ids)`` matches the ids against
+the sequence's cache, rolls the cache back to the longest common prefix, and
+returns the ids that still have to be fed; ``forward`` feeds them for many
+sequences at once and returns the logits the caller asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+
+from calid.models.llama import LlamaModel
+from calid.runtime.batch import Batch, SeqSlice, tree_mask
+from calid.runtime.kv_cache import KVCache, KVCacheStore
+
+
+@dataclass
+class SeqInput:
+    """New tokens of one sequence for one forward.
+
+    ``positions`` default to consecutive positions after the cache; ``ancestors``
+    is a [q, q] bool mask among the new tokens (token trees), default causal;
+    ``logits_at`` indexes the new tokens whose logits are returned (default: last).
+    """
+
+    seq_id: Hashable
+    tokens: list[int]
+    positions: list[int] | None = None
+    ancestors: torch.Tensor | None = None
+    logits_at: list[int] | None = None
+
+
+@dataclass
+class RunnerStats:
+    forwards: int = 0
+    tokens: int = 0
+    recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
+    sequences: int = field(default=0)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_budget_bytes: int | None = None):
+        self.model = model
+        cfg = model.cfg
+        self.caches = KVCacheStore(
+            lambda: KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device),
+            kv_budget_bytes,
+        )
+        self.stats = RunnerStats()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+    def cached_length(self, seq_id: Hashable) -> int:
+        return len(self.caches.get(seq_id)) if seq_id in self.caches else 0
+
+    def sync(self, seq_id: Hashable, token_ids: list[int]) -> list[int]:
+        """Roll the cache back to its longest common prefix with ``token_ids``; return the rest.
+
+        At least one token is always returned, so a forward yields the logits
+        after the last id even when everything was cached.
+        """
+        cache = self.caches.get(seq_id)
+        keep = min(cache.common_prefix(token_ids), len(token_ids) - 1)
+        if keep < len(cache):
+            cache.truncate(keep)
+        self.stats.recomputed_tokens += max(0, len(token_ids) - 1 - keep)
+        return token_ids[keep:]
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        if seq_id in self.caches:
+            self.caches.get(seq_id).truncate(length)
+
+    def release(self, seq_id: Hashable) -> None:
+        self.caches.drop(seq_id)
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
+        """Feed each sequence's new tokens; return logits [len(logits_at), vocab] per sequence."""
+        batch = self._build_batch(inputs)
+        logits = self.model(batch)
+        for inp, s in zip(inputs, batch.seqs):
+            s.cache.commit(inp.tokens)
+        self.caches.enforce_budget(pinned=set())
+        self.stats.forwards += 1
+        self.stats.tokens += int(batch.input_ids.numel())
+        out, row = [], 0
+        for inp in inputs:
+            n = len(inp.logits_at) if inp.logits_at is not None else 1
+            out.append(logits[row : row + n])
+            row += n
+        return out
+
+    def _build_batch(self, inputs: list[SeqInput]) -> Batch:
+        ids, positions, logits_index, seqs = [], [], [], []
+        pinned = {inp.seq_id for inp in inputs}
+        if len(pinned) != len(inputs):
+            raise ValueError("a sequence appears twice in one forward")
+        start = 0
+        for inp in inputs:
+            if not inp.tokens:
+                raise ValueError(f"sequence {inp.seq_id!r} has no new tokens")
+            cache = self.caches.get(inp.seq_id)
+            past, q = len(cache), len(inp.tokens)
+            cache.reserve(q)
+            ids.extend(inp.tokens)
+            positions.extend(inp.positions if inp.positions is not None else range(past, past + q))
+            at = inp.logits_at if inp.logits_at is not None else [q - 1]
+            logits_index.extend(start + i for i in at)
+            mask = tree_mask(inp.ancestors, past) if inp.ancestors is not None else None
+            seqs.append(SeqSlice(start, q, past, cache, mask))
+            start += q
+        self.caches.enforce_budget(pinned)
+        device = self.model.device
+        return Batch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            seqs=seqs,
+            logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
+        )
