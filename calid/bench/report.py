@@ -1,0 +1,26 @@
+"""Benchmark tables: printed, and written as JSON and Markdown side by side."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_report(out_dir: Path, name: str, title: str, meta: dict, rows: list[dict], columns: list[str],
+                 notes: list[str]) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / f"{name}.json"
+    md = out_dir / f"{name}.md"
+    js.write_text(json.dumps({"title": title, "meta": meta, "rows": rows, "notes": notes}, indent=2) + "\n")
+    body = [f"# {title}", ""] + [f"- {k}: {v}" for k, v in meta.items()] + ["", markdown_table(rows, columns), ""]
+    body += [f"- {n}" for n in notes]
+    md.write_text("\n".join(body) + "\n")
+    return js, md

@@ -1,0 +1,33 @@
+"""CLI errors: one line on stderr, exit code 2, before any model is loaded."""
+import time
+
+import pytest
+
+from calid.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", ""], "prompt is empty"),
+        (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["generate", "hi", "--top-p", "1.01"], "top_p must be in (0, 1]"),
+        (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
+        (["models", "pull", "gpt-17"], "unknown preset 'gpt-17'"),
+        (["generate", "hi", "--model", "/no/such/model.gguf"], "GGUF file not found"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    t = time.perf_counter()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("calid: error: ") and message in err and err.count("\n") == 1
+    assert time.perf_counter() - t < 5
+
+
+def test_models_list_shows_presets(capsys):
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"):
+        assert name in out

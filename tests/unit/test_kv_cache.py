@@ -1,0 +1,64 @@
+import torch
+
+from calid.runtime.kv_cache import KVCache, KVCacheStore
+
+
+def make(capacity=2):
+    return KVCache(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", capacity=capacity)
+
+
+def fill(cache, tokens):
+    start = len(cache)
+    cache.reserve(len(tokens))
+    kv = torch.tensor([[[float(t), float(t)] for t in tokens]])  # [1, n, 2]
+    for layer in range(cache.num_layers):
+        cache.write(layer, start, kv, -kv)
+    cache.commit(tokens)
+
+
+def test_grows_and_keeps_contents():
+    c = make(capacity=2)
+    fill(c, [1, 2])
+    fill(c, [3, 4, 5])
+    assert c.capacity >= 5 and len(c) == 5
+    k, v = c.view(1, 5)
+    assert k[0, :, 0].tolist() == [1, 2, 3, 4, 5]
+    assert v[0, :, 0].tolist() == [-1, -2, -3, -4, -5]
+
+
+def test_truncate_and_common_prefix():
+    c = make()
+    fill(c, [1, 2, 3, 4])
+    assert c.common_prefix([1, 2, 9, 4]) == 2
+    assert c.common_prefix([1, 2]) == 2
+    c.truncate(2)
+    assert c.tokens == [1, 2]
+    fill(c, [7])
+    assert c.view(0, 3)[0][0, :, 0].tolist() == [1, 2, 7]
+
+
+def test_keep_packs_accepted_rows():
+    c = make()
+    fill(c, [1, 2, 10, 11, 12, 13])  # prefix [1, 2] then a tree of 4 nodes
+    c.keep([3, 5], start=2)  # accept nodes at rows 3 and 5
+    assert c.tokens == [1, 2, 11, 13]
+    assert c.view(0, 4)[0][0, :, 0].tolist() == [1, 2, 11, 13]
+
+
+def test_store_evicts_least_recently_used_but_not_pinned():
+    one = make(capacity=4).nbytes
+    store = KVCacheStore(lambda: make(capacity=4), budget_bytes=2 * one)
+    for sid in "abc":
+        store.get(sid)
+    store.get("a")  # a is now most recent; b is the oldest
+    store.enforce_budget(pinned={"b"})
+    assert "b" in store and "a" in store and "c" not in store
+    assert store.evictions == 1
+
+
+def test_store_without_budget_keeps_everything():
+    store = KVCacheStore(lambda: make(), budget_bytes=None)
+    for i in range(10):
+        store.get(i)
+    store.enforce_budget(pinned=set())
+    assert len(store) == 10
