@@ -11,6 +11,7 @@ from torch import nn
 
 from calid.errors import ModelSourceError
 from calid.models.config import ModelConfig
+from calid.models.cpu_linear import use_skinny_linears
 from calid.models.llama import LlamaModel
 from calid.models.source import ModelSource, resolve
 
@@ -24,21 +25,20 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: object  # transformers tokenizer
     eos_ids: frozenset[int]
+    weight_bytes: int  # all parameters, as loaded
+    decode_read_bytes: int  # weight bytes one decode step reads (the embedding gives one row unless tied)
 
     @property
     def config(self) -> ModelConfig:
         return self.model.cfg
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    @property
-    def decode_read_bytes(self) -> int:
-        """Weight bytes one decode step reads: all but the embedding table (one row), unless tied to the head."""
-        embed = self.model.embed.weight
-        tied = self.model.lm_head.weight is embed
-        return self.weight_bytes - (0 if tied else embed.numel() * embed.element_size())
+def weight_footprint(model: LlamaModel) -> tuple[int, int]:
+    """(all weight bytes, bytes read per decode step) of an unpacked model."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed.weight
+    tied = model.lm_head.weight is embed
+    return total, total - (0 if tied else embed.numel() * embed.element_size())
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -57,13 +57,21 @@ def parse_device(name: str | torch.device) -> torch.device:
     return device
 
 
-def load_model(spec: str | ModelSource, dtype="fp32", device="cpu", show_progress: bool = True) -> LoadedModel:
+def load_model(spec: str | ModelSource, dtype="fp32", device="cpu", show_progress: bool = True,
+               skinny: bool = True) -> LoadedModel:
+    """Resolve ``spec``, load its weights and tokenizer.
+
+    ``skinny`` routes small CPU batches through the faster matmul of cpu_linear; no-op elsewhere.
+    """
     source = spec if isinstance(spec, ModelSource) else resolve(spec, show_progress)
     dtype, device = parse_dtype(dtype), parse_device(device)
     cfg = ModelConfig.from_dir(source.path)
     model = build_model(cfg, load_state_dict(source.path), dtype, device)
+    footprint = weight_footprint(model)  # before any transformation
+    if skinny:
+        use_skinny_linears(model)
     tokenizer = load_tokenizer(source.path)
-    return LoadedModel(source.spec, source.path, model, tokenizer, eos_token_ids(source.path, tokenizer))
+    return LoadedModel(source.spec, source.path, model, tokenizer, eos_token_ids(source.path, tokenizer), *footprint)
 
 
 def load_tokenizer(path: Path):
