@@ -101,7 +101,8 @@ def sampling_params(args):
 
 
 def cmd_generate(args) -> int:
-    from calid.generation import ARGenerator, GenerationRequest
+    from calid.engine import Engine
+    from calid.generation import GenerationRequest
     from calid.models.loader import load_model
     from calid.runtime.runner import ModelRunner
     from calid.text import encode_prompt
@@ -110,7 +111,7 @@ def cmd_generate(args) -> int:
         raise CalidError("prompt is empty")
     params = sampling_params(args)  # fail on bad flags before loading anything
     lm = load_model(args.model, args.dtype, args.device)
-    generator = ARGenerator(ModelRunner(lm.model), lm.tokenizer, lm.eos_ids)
+    generator = Engine(ModelRunner(lm.model), lm.tokenizer, lm.eos_ids)
     request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params)
     for event in generator.stream([request]):
         sys.stdout.write(event.text)

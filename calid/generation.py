@@ -1,21 +1,17 @@
-"""Autoregressive generation over a ModelRunner, batched and streaming.
+"""Request-level types shared by every decoding mode: parameters, state, stats, results.
 
-Requests join a running batch as slots free up (continuous batching); a new
-request's prompt prefill shares a forward with the decode steps of the others.
+The loop that drives them is :class:`calid.engine.Engine`.
 """
 from __future__ import annotations
 
-import itertools
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator
+from typing import Hashable
 
-import torch
-
-from calid.decoding.sampling import Warp, make_generator, sample, warp
+from calid.decoding.confidence import Threshold
+from calid.decoding.modes import DecodeParams
+from calid.decoding.sampling import Warp, make_generator
 from calid.errors import InvalidRequestError
-from calid.runtime.runner import ModelRunner, SeqInput
 from calid.text import TextStream
 
 
@@ -52,6 +48,52 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: Hashable = None
+    decode: DecodeParams | None = None  # None: the engine's default
+
+
+@dataclass
+class DecodeStats:
+    """Where a request's tokens came from, and how well the draft did.
+
+    filtered_fraction   output tokens that came from the draft / all output tokens
+    mean_accepted       draft tokens accepted per verification (speculative, rollback)
+    accepted_at[i]      times a draft token at position i was accepted, of proposed_at[i]
+    """
+
+    draft_tokens: int = 0
+    target_tokens: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    verifications: int = 0
+    accepted_total: int = 0
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    @property
+    def filtered_fraction(self) -> float:
+        total = self.draft_tokens + self.target_tokens
+        return self.draft_tokens / total if total else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted_total / self.verifications if self.verifications else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    def record_verification(self, proposed: int, accepted: int, verifying: bool) -> None:
+        if not verifying or proposed == 0:
+            return
+        self.verifications += 1
+        self.accepted_total += accepted
+        grow = proposed - len(self.proposed_at)
+        if grow > 0:
+            self.proposed_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(proposed):
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += i < accepted
 
 
 @dataclass
@@ -63,6 +105,7 @@ class GenerationResult:
     finish_reason: str  # "eos" | "stop" | "length"
     ttft_s: float
     total_s: float
+    stats: DecodeStats = field(default_factory=DecodeStats)
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,87 +130,52 @@ def validate_request(req: GenerationRequest, max_position: int) -> None:
         )
 
 
-class _Active:
-    """In-flight state of one request."""
+class RequestState:
+    """In-flight state of one request: its token ids (the source of truth), text, RNG, stats."""
 
-    def __init__(self, req: GenerationRequest, tokenizer, start: float):
+    def __init__(self, req: GenerationRequest, tokenizer, eos_ids: frozenset[int], start: float):
         self.req = req
+        self.eos_ids = eos_ids
         self.output: list[int] = []
         self.generator = make_generator(req.params.seed)
         self.stream = TextStream(tokenizer, req.params.stop)
         self.start, self.first_token_at = start, None
         self.finish_reason: str | None = None
+        self.stats = DecodeStats()
+        self.set_threshold(req.decode.threshold if req.decode else 0.0)
+
+    def set_threshold(self, prob: float) -> None:
+        self.threshold = prob
+        # 1.0 means "target for every token": never confident, even for a saturated softmax
+        self.confidence = Threshold.never() if prob >= 1.0 else Threshold.from_prob(prob)
 
     @property
     def token_ids(self) -> list[int]:
         return self.req.prompt_ids + self.output
 
+    def append(self, token: int, now: float, from_draft: bool, max_position: int) -> StreamEvent:
+        self.output.append(token)
+        if from_draft:
+            self.stats.draft_tokens += 1
+        else:
+            self.stats.target_tokens += 1
+        self.first_token_at = self.first_token_at or now
+        params = self.req.params
+        is_eos = token in self.eos_ids and not params.ignore_eos
+        text = "" if is_eos else self.stream.push(token)
+        if is_eos:
+            self.finish_reason = "eos"
+        elif self.stream.stopped:
+            self.finish_reason = "stop"
+        elif len(self.output) >= params.max_new_tokens or len(self.token_ids) >= max_position:
+            self.finish_reason = "length"
+        if self.finish_reason:
+            text += self.stream.finish()
+            return StreamEvent(self.req.request_id, text, [token], self.result(now))
+        return StreamEvent(self.req.request_id, text, [token])
+
     def result(self, now: float) -> GenerationResult:
         return GenerationResult(
             self.req.request_id, len(self.req.prompt_ids), self.output, self.stream.text,
-            self.finish_reason, (self.first_token_at or now) - self.start, now - self.start,
+            self.finish_reason, (self.first_token_at or now) - self.start, now - self.start, self.stats,
         )
-
-
-class ARGenerator:
-    """Target-only autoregressive decoding: the baseline every other mode is measured against."""
-
-    def __init__(self, runner: ModelRunner, tokenizer, eos_ids: frozenset[int], max_batch: int = 8):
-        self.runner, self.tokenizer, self.eos_ids = runner, tokenizer, eos_ids
-        self.max_batch = max_batch
-        self.max_position = runner.model.cfg.max_position
-        self._ids = itertools.count()
-
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        results = {}
-        for event in self.stream(requests):
-            if event.result is not None:
-                results[event.request_id] = event.result
-        return [results[r.request_id] for r in requests]
-
-    def stream(self, requests: list[GenerationRequest]) -> Iterator[StreamEvent]:
-        for req in requests:
-            if req.request_id is None:
-                req.request_id = f"req-{next(self._ids)}"
-            validate_request(req, self.max_position)
-        waiting = list(requests)
-        active: list[_Active] = []
-        while waiting or active:
-            while waiting and len(active) < self.max_batch:
-                active.append(_Active(waiting.pop(0), self.tokenizer, time.perf_counter()))
-            yield from self._step(active)
-            for seq in [s for s in active if s.finish_reason]:
-                self.runner.release(seq.req.request_id)
-                active.remove(seq)
-
-    def _step(self, active: list[_Active]) -> Iterator[StreamEvent]:
-        inputs = [SeqInput(s.req.request_id, self.runner.sync(s.req.request_id, s.token_ids)) for s in active]
-        logits = torch.cat(self.runner.forward(inputs))  # [B, V]
-        tokens = self._sample(logits, active)
-        now = time.perf_counter()
-        for seq, token in zip(active, tokens):
-            yield self._append(seq, token, now)
-
-    def _sample(self, logits: torch.Tensor, active: list[_Active]) -> list[int]:
-        if all(s.req.params.temperature == 0 for s in active):
-            return logits.argmax(-1).tolist()
-        return [
-            int(sample(warp(row[None], s.req.params.warp), s.generator)[0]) for row, s in zip(logits, active)
-        ]
-
-    def _append(self, seq: _Active, token: int, now: float) -> StreamEvent:
-        seq.output.append(token)
-        seq.first_token_at = seq.first_token_at or now
-        params = seq.req.params
-        is_eos = token in self.eos_ids and not params.ignore_eos
-        text = "" if is_eos else seq.stream.push(token)
-        if is_eos:
-            seq.finish_reason = "eos"
-        elif seq.stream.stopped:
-            seq.finish_reason = "stop"
-        elif len(seq.output) >= params.max_new_tokens or len(seq.token_ids) >= self.max_position:
-            seq.finish_reason = "length"
-        if seq.finish_reason:
-            text += seq.stream.finish()
-            return StreamEvent(seq.req.request_id, text, [token], seq.result(now))
-        return StreamEvent(seq.req.request_id, text, [token])

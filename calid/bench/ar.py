@@ -40,7 +40,8 @@ def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from calid.errors import CalidError
-    from calid.generation import ARGenerator, GenerationRequest, SamplingParams
+    from calid.engine import Engine
+    from calid.generation import GenerationRequest, SamplingParams
     from calid.models.loader import load_model, parse_dtype
     from calid.runtime.runner import ModelRunner
     from calid.text import encode_prompt
@@ -53,7 +54,7 @@ def run(args) -> int:
     tok = lm.tokenizer
     prompts = [encode_prompt(tok, p) for p in humaneval_prompts(max(n_prompts, args.batch))]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    ours = ARGenerator(ModelRunner(lm.model), tok, lm.eos_ids, max_batch=args.batch)
+    ours = Engine(ModelRunner(lm.model), tok, lm.eos_ids, max_batch=args.batch)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else next(iter(lm.eos_ids))
 
     def run_ours(batch: list[list[int]]) -> tuple[float, list[list[int]]]:

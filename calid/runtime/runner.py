@@ -58,14 +58,18 @@ class ModelRunner:
     def cached_length(self, seq_id: Hashable) -> int:
         return len(self.caches.get(seq_id)) if seq_id in self.caches else 0
 
-    def sync(self, seq_id: Hashable, token_ids: list[int]) -> list[int]:
+    def sync(self, seq_id: Hashable, token_ids: list[int], keep_at_most: int | None = None) -> list[int]:
         """Roll the cache back to its longest common prefix with ``token_ids``; return the rest.
 
         At least one token is always returned, so a forward yields the logits
-        after the last id even when everything was cached.
+        after the last id even when everything was cached. ``keep_at_most``
+        caps the reused prefix, so that the ids after it are fed (and their
+        logits available) again: verification needs the row before the first
+        draft token.
         """
         cache = self.caches.get(seq_id)
-        keep = min(cache.common_prefix(token_ids), len(token_ids) - 1)
+        cap = len(token_ids) - 1 if keep_at_most is None else min(keep_at_most, len(token_ids) - 1)
+        keep = min(cache.common_prefix(token_ids), cap)
         if keep < len(cache):
             cache.truncate(keep)
         self.stats.recomputed_tokens += max(0, len(token_ids) - 1 - keep)

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from calid.generation import ARGenerator, GenerationRequest, SamplingParams
+from calid.engine import Engine
+from calid.generation import GenerationRequest, SamplingParams
 from calid.models.loader import build_model, load_state_dict
 from calid.runtime.runner import ModelRunner
 from calid.text import encode_prompt
@@ -18,7 +19,7 @@ pytestmark = [
 def test_cuda_greedy_matches_cpu(smol, prompts, dtype):
     gpu_model = build_model(smol.config, load_state_dict(smol.path), dtype, "cuda")
     reqs = lambda: [GenerationRequest(encode_prompt(smol.tokenizer, p), SamplingParams(max_new_tokens=24)) for p in prompts]
-    cpu = ARGenerator(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids).generate(reqs())
-    gpu = ARGenerator(ModelRunner(gpu_model), smol.tokenizer, smol.eos_ids).generate(reqs())
+    cpu = Engine(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids).generate(reqs())
+    gpu = Engine(ModelRunner(gpu_model), smol.tokenizer, smol.eos_ids).generate(reqs())
     same = sum(a.output_ids == b.output_ids for a, b in zip(cpu, gpu))
     assert same == len(prompts) if dtype == torch.float32 else same >= 1

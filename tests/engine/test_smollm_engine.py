@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from calid.errors import InvalidRequestError
-from calid.generation import ARGenerator, GenerationRequest, SamplingParams
+from calid.engine import Engine
+from calid.generation import GenerationRequest, SamplingParams
 from calid.models.loader import build_model, load_state_dict
 from calid.runtime.runner import ModelRunner, SeqInput
 from calid.text import encode_prompt
@@ -19,7 +20,7 @@ def ids_of(smol, prompt):
 
 
 def generator(smol, **kw):
-    return ARGenerator(ModelRunner(smol.model, **kw), smol.tokenizer, smol.eos_ids)
+    return Engine(ModelRunner(smol.model, **kw), smol.tokenizer, smol.eos_ids)
 
 
 def test_prefill_logits_match_hf(smol, smol_hf, prompts):
@@ -92,7 +93,7 @@ def test_streamed_deltas_add_up_to_the_final_text(smol, prompts):
 def test_small_kv_budget_evicts_and_still_gives_identical_output(smol, prompts):
     reqs = lambda: [GenerationRequest(ids_of(smol, p), SamplingParams(max_new_tokens=20)) for p in prompts]
     ref = generator(smol).generate(reqs())
-    gen = ARGenerator(ModelRunner(smol.model, kv_budget_bytes=1), smol.tokenizer, smol.eos_ids, max_batch=1)
+    gen = Engine(ModelRunner(smol.model, kv_budget_bytes=1), smol.tokenizer, smol.eos_ids, max_batch=1)
     got = gen.generate(reqs())
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
 

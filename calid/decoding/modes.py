@@ -1,0 +1,51 @@
+"""Per-request decoding options, validated at the edge."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from calid.decoding.confidence import Threshold
+from calid.errors import InvalidRequestError
+
+MODES = ("ar", "filter", "rollback", "speculative")
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """How one request uses the draft.
+
+    mode          ar (target only) | filter | rollback | speculative
+    gamma         most draft tokens per target call
+    threshold     draft confidence as a top-1 probability in [0, 1]:
+                  filter      accept a draft token when its top-1 probability >= threshold
+                              (0 = draft only, 1 = target for (almost) every token)
+                  speculative/rollback: dynamic draft length, stop drafting after a token
+                              whose top-1 probability < threshold (0 = always gamma tokens)
+    rollback_nll  rollback: roll back past a draft token whose target NLL exceeds this
+    adaptive      LLMCad-style self-adaptive threshold: raised after a rejection,
+                  lowered after a fully accepted draft
+    """
+
+    mode: str = "speculative"
+    gamma: int = 4
+    threshold: float = 0.0
+    rollback_nll: float = 2.0
+    adaptive: bool = False
+
+    def validate(self) -> "DecodeParams":
+        if self.mode not in MODES:
+            raise InvalidRequestError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
+            raise InvalidRequestError(f"gamma must be an integer in [1, 64], got {self.gamma!r}")
+        if not (0.0 <= self.threshold <= 1.0):
+            raise InvalidRequestError(f"threshold must be a probability in [0, 1], got {self.threshold!r}")
+        if math.isnan(self.rollback_nll) or self.rollback_nll < 0:
+            raise InvalidRequestError(f"rollback_nll must be >= 0, got {self.rollback_nll!r}")
+        return self
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.mode != "ar"
+
+    def confidence(self) -> Threshold:
+        return Threshold.from_prob(self.threshold)
