@@ -41,14 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=DEFAULT_TARGET, help=f"preset, model folder, .gguf or hub id (default {DEFAULT_TARGET})")
     add_sampling_args(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_decode_args(gen)
     add_runtime_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from calid.bench import ar as bench_ar
+    from calid.bench import decode as bench_decode
 
     bench_ar.add_parser(bsub)
+    bench_decode.add_parser(bsub)
     return parser
 
 
@@ -59,6 +62,51 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    from calid.decoding.modes import MODES
+    from calid.models.presets import DEFAULT_DRAFT
+
+    p.add_argument("--mode", default="ar", choices=MODES, help="decoding mode (default ar: target only)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help=f"draft model for non-ar modes: preset, folder, .gguf, or self:N for the target's "
+                        f"first N layers (default {DEFAULT_DRAFT})")
+    p.add_argument("--gamma", type=int, default=4, help="most draft tokens per target call")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="draft confidence (top-1 probability) in [0, 1]; filter default 0.5, others 0 (fixed gamma)")
+    p.add_argument("--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone")
+    p.add_argument("--adaptive", action="store_true", help="LLMCad-style self-adaptive threshold")
+
+
+def decode_params(args):
+    from calid.decoding.modes import DecodeParams
+
+    threshold = args.threshold if args.threshold is not None else (0.5 if args.mode == "filter" else 0.0)
+    return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
+                        adaptive=args.adaptive).validate()
+
+
+def build_engine(target_lm, draft_spec: str | None, dtype: str, device: str, max_batch: int = 8):
+    """Engine over a loaded target and an optional draft (a model spec, or self:N)."""
+    from calid.engine import Engine
+    from calid.models.loader import load_model
+    from calid.models.self_draft import self_draft
+    from calid.runtime.runner import ModelRunner
+
+    draft = None
+    if draft_spec and draft_spec.startswith("self:"):
+        try:
+            layers = int(draft_spec[5:])
+        except ValueError:
+            raise CalidError(f"--draft self:N needs an integer N, got {draft_spec!r}") from None
+        draft = ModelRunner(self_draft(target_lm.model, layers))
+    elif draft_spec:
+        draft_lm = load_model(draft_spec, dtype, device)
+        if draft_lm.tokenizer.get_vocab() != target_lm.tokenizer.get_vocab():
+            raise CalidError(f"draft {draft_spec} and target {target_lm.name} have different tokenizers")
+        draft = ModelRunner(draft_lm.model)
+    return Engine(ModelRunner(target_lm.model), target_lm.tokenizer, target_lm.eos_ids, draft=draft, max_batch=max_batch)
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -101,29 +149,32 @@ def sampling_params(args):
 
 
 def cmd_generate(args) -> int:
-    from calid.engine import Engine
     from calid.generation import GenerationRequest
     from calid.models.loader import load_model
-    from calid.runtime.runner import ModelRunner
     from calid.text import encode_prompt
 
     if not args.prompt.strip():
         raise CalidError("prompt is empty")
-    params = sampling_params(args)  # fail on bad flags before loading anything
+    params, decode = sampling_params(args), decode_params(args)  # fail on bad flags before loading anything
     lm = load_model(args.model, args.dtype, args.device)
-    generator = Engine(ModelRunner(lm.model), lm.tokenizer, lm.eos_ids)
-    request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params)
-    for event in generator.stream([request]):
+    engine = build_engine(lm, args.draft if decode.uses_draft else None, args.dtype, args.device)
+    request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params, decode=decode)
+    for event in engine.stream([request]):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         if event.result:
-            r = event.result
-            print(
-                f"\n[{lm.name}: {len(r.output_ids)} tokens in {r.total_s:.2f} s, {r.tokens_per_s:.2f} tok/s, "
-                f"first token {r.ttft_s:.2f} s, prompt {r.prompt_tokens} tokens, finish: {r.finish_reason}]",
-                file=sys.stderr,
-            )
+            print("\n" + describe_result(lm.name, decode.mode, event.result), file=sys.stderr)
     return 0
+
+
+def describe_result(model: str, mode: str, r) -> str:
+    line = (f"[{model} {mode}: {len(r.output_ids)} tokens in {r.total_s:.2f} s, {r.tokens_per_s:.2f} tok/s, "
+            f"first token {r.ttft_s:.2f} s, prompt {r.prompt_tokens} tokens, finish: {r.finish_reason}")
+    if mode != "ar":
+        s = r.stats
+        line += (f"; from draft {s.filtered_fraction:.0%}, target calls {s.target_calls}"
+                 + (f", mean accepted {s.mean_accepted:.2f}" if s.verifications else ""))
+    return line + "]"
 
 
 if __name__ == "__main__":

@@ -175,17 +175,15 @@ class Engine:
             if s.req.decode.mode == "rollback" and p.tokens:
                 target_nll = -torch.log_softmax(rows[:-1].float(), -1).gather(1, draft[:, None]).squeeze(1)
             rule_input = RuleInput(
-                draft=draft if rows.shape[0] > 1 else draft[:0],
-                q=torch.stack(p.q) if p.q and rows.shape[0] > 1 else None,
+                draft=draft,
+                q=torch.stack(p.q) if p.q else None,
                 p=warp(rows, s.req.params.warp),
                 generator=s.generator,
                 target_nll=target_nll,
                 rollback_nll=s.req.decode.rollback_nll,
             )
-            rule = "filter" if s.req.decode.mode == "ar" else s.req.decode.mode
-            v = get_rule(rule)(rule_input)
-            accepted = len(p.tokens) if rule == "filter" else v.accepted
-            verdicts[s.req.request_id] = (accepted, v.next_token)
+            v = get_rule("filter" if s.req.decode.mode == "ar" else s.req.decode.mode)(rule_input)
+            verdicts[s.req.request_id] = (v.accepted, v.next_token)
             s.stats.target_calls += 1
         return verdicts
 

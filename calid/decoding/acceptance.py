@@ -48,12 +48,14 @@ class RuleInput:
 
 
 def filter_rule(x: RuleInput) -> Verdict:
-    g = x.draft.shape[0]
-    return Verdict(g, int(sample(x.p[g : g + 1], x.generator)[0]))
+    # only the row after the last draft token is used, so p may be just that row [1, V]
+    return Verdict(x.draft.shape[0], int(sample(x.p[-1:], x.generator)[0]))
 
 
 def rollback_rule(x: RuleInput) -> Verdict:
     g = x.draft.shape[0]
+    if g == 0:
+        return Verdict(0, int(sample(x.p[:1], x.generator)[0]))  # nothing drafted: plain target step
     if x.target_nll is None:
         raise ValueError("rollback verification needs the target NLL of each draft token")
     too_unlikely = x.target_nll > x.rollback_nll  # [g]
@@ -63,6 +65,8 @@ def rollback_rule(x: RuleInput) -> Verdict:
 
 def speculative_rule(x: RuleInput) -> Verdict:
     g = x.draft.shape[0]
+    if g == 0:
+        return Verdict(0, int(sample(x.p[:1], x.generator)[0]))  # nothing drafted: plain target step
     if x.q is None:
         raise ValueError("speculative verification needs the draft distributions q")
     rows = torch.arange(g)

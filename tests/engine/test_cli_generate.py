@@ -11,3 +11,17 @@ def test_generate_streams_text_and_reports_speed(smol, capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert "tok/s" in captured.err and "finish:" in captured.err
+
+
+def test_generate_speculative_with_self_draft_reports_draft_stats(smol, capsys):
+    argv = ["generate", "--model", TEST_MODEL, "--mode", "speculative", "--draft", "self:10", "--max-new-tokens", "12",
+            "Name a prime number."]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "from draft" in err and "mean accepted" in err
+
+
+def test_bad_self_draft_spec_is_one_line(smol, capsys):
+    argv = ["generate", "--model", TEST_MODEL, "--mode", "speculative", "--draft", "self:x", "hi"]
+    assert main(argv) == 2
+    assert "self:N needs an integer" in capsys.readouterr().err

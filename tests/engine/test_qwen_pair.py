@@ -54,3 +54,18 @@ def test_draft_and_target_share_a_vocabulary():
     a = load_tokenizer(resolve(DEFAULT_DRAFT, show_progress=False).path)
     b = load_tokenizer(resolve(DEFAULT_TARGET, show_progress=False).path)
     assert a.get_vocab() == b.get_vocab()
+
+
+def test_greedy_speculative_with_the_qwen_draft_is_identical_to_the_target():
+    from calid.decoding.modes import DecodeParams
+    from calid.engine import Engine
+
+    target = load_model(DEFAULT_TARGET, show_progress=False)
+    draft = load_model(DEFAULT_DRAFT, show_progress=False)
+    reqs = lambda d: [GenerationRequest(encode_prompt(target.tokenizer, p), SamplingParams(max_new_tokens=48), decode=d)
+                      for p in PROMPTS]
+    eng = Engine(ModelRunner(target.model), target.tokenizer, target.eos_ids, draft=ModelRunner(draft.model))
+    ar = eng.generate(reqs(DecodeParams(mode="ar")))
+    spec = eng.generate(reqs(DecodeParams(mode="speculative", gamma=5)))
+    assert [r.output_ids for r in spec] == [r.output_ids for r in ar]
+    assert all(r.stats.mean_accepted > 1.0 for r in spec)

@@ -31,3 +31,15 @@ def test_models_list_shows_presets(capsys):
     out = capsys.readouterr().out
     for name in ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"):
         assert name in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "hi", "--mode", "filter", "--threshold", "2"], "threshold must be a probability"),
+        (["generate", "hi", "--mode", "speculative", "--gamma", "0"], "gamma must be an integer in [1, 64]"),
+    ],
+)
+def test_bad_decode_flags(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

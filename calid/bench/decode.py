@@ -1,0 +1,204 @@
+"""``calid bench decode``: every draft/target mode side by side on the real Qwen pair.
+
+For each prompt (HumanEval, then MT-bench first turns) every configuration runs
+once at batch 1, in rotated order so machine drift spreads evenly: ar (target
+only), speculative with fixed and dynamic gamma, filter and rollback at several
+thresholds, draft only, and HF transformers assisted generation
+(``assistant_model=``) on the same pair. Prints tokens/s, ratios to ar, the
+filtered fraction and acceptance length; for quality: prefix agreement with
+the target's greedy output, target-scored NLL, and HumanEval pass@1. Writes
+JSON, Markdown and a PNG of quality vs filtered fraction (CALID Fig. 3 view).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from calid.bench.data import humaneval, humaneval_prompts, mtbench_questions
+from calid.bench.quality import passes_humaneval, prefix_agreement, target_nll
+from calid.bench.report import write_report
+from calid.decoding.modes import DecodeParams
+from calid.progress import progress
+
+COLUMNS = ["config", "tok_s", "ratio_vs_ar", "filtered_fraction", "mean_accepted", "target_calls_per_token",
+           "agreement_with_ar", "target_nll", "pass_at_1", "tokens", "seconds"]
+HF_ASSISTED = "HF assisted generation"
+
+
+def add_parser(sub) -> None:
+    from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p = sub.add_parser("decode", help="ar / speculative / filter / rollback / HF assisted on a draft-target pair")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--humaneval", type=int, default=3, help="HumanEval prompts (default 3)")
+    p.add_argument("--mtbench", type=int, default=2, help="MT-bench first-turn prompts (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="HumanEval cap; MT-bench gets half")
+    p.add_argument("--filter-thresholds", default="0.4,0.7,0.9", help="comma-separated top-1 probabilities")
+    p.add_argument("--rollback-nlls", default="1.5,4.0", help="comma-separated target NLL bounds")
+    p.add_argument("--no-hf", action="store_true", help="skip HF assisted generation")
+    p.add_argument("--full", action="store_true", help="all 164 HumanEval + 80 MT-bench prompts, 512 new tokens")
+    p.add_argument("--out", default="bench_results")
+    p.set_defaults(func=run)
+
+
+def configs(args) -> list[tuple[str, DecodeParams | None]]:
+    out = [("ar (target only)", DecodeParams(mode="ar")),
+           ("speculative gamma=4", DecodeParams(mode="speculative", gamma=4)),
+           ("speculative dynamic gamma<=8 t=0.4", DecodeParams(mode="speculative", gamma=8, threshold=0.4))]
+    for t in _floats(args.filter_thresholds):
+        out.append((f"filter t={t:g}", DecodeParams(mode="filter", gamma=8, threshold=t)))
+    for r in _floats(args.rollback_nlls):
+        out.append((f"rollback t=0.4 nll>{r:g}", DecodeParams(mode="rollback", gamma=8, threshold=0.4, rollback_nll=r)))
+    out.append(("draft only (filter t=0)", DecodeParams(mode="filter", gamma=8, threshold=0.0)))
+    if not args.no_hf:
+        out.append((HF_ASSISTED, None))
+    return out
+
+
+def _floats(text: str) -> list[float]:
+    from calid.errors import CalidError
+
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CalidError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+@dataclass
+class Prompt:
+    kind: str  # "humaneval" | "mtbench"
+    ids: list[int]
+    max_new: int
+    problem: dict | None = None
+
+
+@dataclass
+class Tally:
+    outputs: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    draft_tokens: int = 0
+    target_calls: int = 0
+    verifications: int = 0
+    accepted: int = 0
+
+
+def run(args) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from calid.cli import build_engine
+    from calid.generation import GenerationRequest, SamplingParams
+    from calid.models.loader import load_model
+    from calid.text import encode_prompt
+
+    n_he, n_mt, max_new = (164, 80, 512) if args.full else (args.humaneval, args.mtbench, args.max_new_tokens)
+    target = load_model(args.target)
+    engine = build_engine(target, args.draft, "fp32", "cpu", max_batch=1)
+    tok = target.tokenizer
+    problems = humaneval()[:n_he]
+    prompts = [Prompt("humaneval", encode_prompt(tok, text), max_new, prob)
+               for text, prob in zip(humaneval_prompts(n_he), problems)]
+    prompts += [Prompt("mtbench", encode_prompt(tok, q["turns"][0]), max(16, max_new // 2))
+                for q in mtbench_questions()[:n_mt]]
+    cfgs = configs(args)
+    hf_target = hf_draft = None
+    if not args.no_hf:
+        hf_target = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+        draft_path = load_model(args.draft, show_progress=False).path if not args.draft.startswith("self:") else None
+        if draft_path is None:
+            raise SystemExit("HF assisted generation needs a separate draft model; use --no-hf with self:N")
+        hf_draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=torch.float32).eval()
+
+    print(f"bench decode: target {target.name}, draft {args.draft}; {n_he} HumanEval + {n_mt} MT-bench prompts, "
+          f"up to {max_new} new tokens (HumanEval) at batch 1, greedy; {len(cfgs)} configurations", file=sys.stderr)
+    warm = GenerationRequest(prompts[0].ids[:16], SamplingParams(max_new_tokens=4), decode=DecodeParams(mode="speculative"))
+    engine.generate([warm])
+
+    tallies = {name: Tally() for name, _ in cfgs}
+    with progress(len(prompts) * len(cfgs), "bench decode", "run") as bar:
+        for i, pr in enumerate(prompts):
+            order = cfgs[i % len(cfgs):] + cfgs[: i % len(cfgs)]
+            for name, decode in order:
+                t = tallies[name]
+                start = time.perf_counter()
+                if decode is None:
+                    out = _hf_assisted(hf_target, hf_draft, pr.ids, pr.max_new, target.eos_ids)
+                else:
+                    res = engine.generate([GenerationRequest(pr.ids, SamplingParams(max_new_tokens=pr.max_new),
+                                                             decode=decode)])[0]
+                    out = res.output_ids
+                    t.draft_tokens += res.stats.draft_tokens
+                    t.target_calls += res.stats.target_calls
+                    t.verifications += res.stats.verifications
+                    t.accepted += res.stats.accepted_total
+                t.seconds += time.perf_counter() - start
+                t.outputs.append(out)
+                t.texts.append(tok.decode(out, skip_special_tokens=True))
+                bar.update(1)
+                bar.set_postfix_str(name)
+
+    rows = _rows(cfgs, tallies, prompts, engine.target)
+    _print_and_write(args, target.name, rows, n_he, n_mt, max_new)
+    return 0
+
+
+@torch.inference_mode()
+def _hf_assisted(hf_target, hf_draft, ids: list[int], max_new: int, eos_ids) -> list[int]:
+    x = torch.tensor([ids])
+    out = hf_target.generate(input_ids=x, attention_mask=torch.ones_like(x), assistant_model=hf_draft,
+                             do_sample=False, max_new_tokens=max_new, eos_token_id=sorted(eos_ids))
+    return out[0, len(ids):].tolist()
+
+
+def _rows(cfgs, tallies, prompts: list[Prompt], target_runner) -> list[dict]:
+    ar = tallies[cfgs[0][0]]
+    ar_tps = sum(map(len, ar.outputs)) / ar.seconds
+    rows = []
+    for name, decode in cfgs:
+        t = tallies[name]
+        tokens = sum(map(len, t.outputs))
+        he = [(text, pr.problem) for text, pr in zip(t.texts, prompts) if pr.kind == "humaneval"]
+        row = {
+            "config": name, "tokens": tokens, "seconds": t.seconds, "tok_s": tokens / t.seconds,
+            "ratio_vs_ar": tokens / t.seconds / ar_tps,
+            "agreement_with_ar": sum(prefix_agreement(o, r) for o, r in zip(t.outputs, ar.outputs)) / len(prompts),
+            "target_nll": sum(target_nll(target_runner, pr.ids, o) for pr, o in zip(prompts, t.outputs)) / len(prompts),
+            "pass_at_1": sum(passes_humaneval(text, prob) for text, prob in he) / len(he) if he else float("nan"),
+        }
+        if decode is not None:
+            row["filtered_fraction"] = t.draft_tokens / tokens if tokens else 0.0
+            row["target_calls_per_token"] = t.target_calls / tokens if tokens else 0.0
+            row["mean_accepted"] = t.accepted / t.verifications if t.verifications else "-"
+        else:
+            row.update(filtered_fraction="-", target_calls_per_token="-", mean_accepted="-")
+        rows.append(row)
+    return rows
+
+
+def _print_and_write(args, target_name: str, rows: list[dict], n_he: int, n_mt: int, max_new: int) -> None:
+    from calid.bench.plot import quality_vs_filtered
+
+    by = {r["config"]: r for r in rows}
+    spec = by["speculative gamma=4"]
+    notes = [f"speculative gamma=4 vs ar: {spec['ratio_vs_ar']:.2f}x"]
+    if HF_ASSISTED in by:
+        notes.append(f"speculative gamma=4 vs HF assisted generation: {spec['tok_s'] / by[HF_ASSISTED]['tok_s']:.2f}x")
+    notes += [
+        "lossless modes (speculative) must show agreement_with_ar = 1.0 under greedy decoding",
+        "agreement_with_ar: share of the target's greedy output reproduced before the first difference",
+        "target_nll: mean NLL the target assigns to each configuration's output tokens (lower = closer to the target)",
+        f"pass_at_1 over {n_he} HumanEval problems: a small default subset, coarse (use --full for all 164)",
+    ]
+    meta = {"target": target_name, "draft": args.draft, "prompts": f"{n_he} HumanEval + {n_mt} MT-bench",
+            "max_new_tokens": max_new, "batch": 1, "sampling": "greedy", "threads": torch.get_num_threads()}
+    out = Path(args.out)
+    js, md = write_report(out, f"decode-{target_name}", "calid draft/target decoding, side by side", meta, rows,
+                          COLUMNS, notes)
+    png = quality_vs_filtered(rows, out / f"decode-{target_name}.png")
+    print(md.read_text())
+    print(f"wrote {js}, {md} and {png}", file=sys.stderr)

@@ -1,0 +1,129 @@
+"""The unified loop on a tiny random model, self-drafting from its first layer: fast logic checks."""
+import pytest
+
+from calid.decoding.modes import DecodeParams
+from calid.engine import Engine, EngineConfigError
+from calid.errors import InvalidRequestError
+from calid.generation import GenerationRequest, SamplingParams
+from calid.models.self_draft import self_draft
+from calid.runtime.runner import ModelRunner
+
+
+class IdTokenizer:
+    def decode(self, ids, **kw):
+        return " ".join(map(str, ids))
+
+
+PROMPTS = [[5, 17, 3], [88, 41, 9, 60, 2], [7]]
+
+
+def engine(model, draft_layers=1, **kw):
+    draft = ModelRunner(self_draft(model, draft_layers)) if draft_layers else None
+    return Engine(ModelRunner(model), IdTokenizer(), frozenset(), draft=draft, **kw)
+
+
+def run(eng, decode, n=24, **params):
+    reqs = [GenerationRequest(list(p), SamplingParams(max_new_tokens=n, **params), decode=decode) for p in PROMPTS]
+    return eng.generate(reqs)
+
+
+@pytest.fixture(scope="module")
+def target_only(tiny_model):
+    return [r.output_ids for r in run(engine(tiny_model, 0), DecodeParams(mode="ar"))]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+@pytest.mark.parametrize("threshold", [0.0, 0.3])
+def test_greedy_speculative_equals_target_only(tiny_model, target_only, gamma, threshold):
+    res = run(engine(tiny_model), DecodeParams(mode="speculative", gamma=gamma, threshold=threshold))
+    assert [r.output_ids for r in res] == target_only
+    assert all(len(r.output_ids) == 24 for r in res)
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_model, target_only):
+    eng = engine(tiny_model, draft_layers=tiny_model.cfg.num_layers)
+    res = run(eng, DecodeParams(mode="speculative", gamma=4))
+    assert [r.output_ids for r in res] == target_only
+    for r in res:
+        assert r.stats.acceptance_by_position and all(a == 1.0 for a in r.stats.acceptance_by_position)
+        assert r.stats.mean_accepted > 3
+
+
+def test_filter_threshold_zero_is_draft_only(tiny_model):
+    draft_only = run(Engine(ModelRunner(self_draft(tiny_model, 1)), IdTokenizer(), frozenset()), DecodeParams(mode="ar"))
+    res = run(engine(tiny_model), DecodeParams(mode="filter", threshold=0.0, gamma=8))
+    assert [r.output_ids for r in res] == [r.output_ids for r in draft_only]
+    assert all(r.stats.filtered_fraction == 1.0 and r.stats.target_calls == 0 for r in res)
+
+
+def test_filter_threshold_one_is_target_only(tiny_model, target_only):
+    res = run(engine(tiny_model), DecodeParams(mode="filter", threshold=1.0))
+    assert [r.output_ids for r in res] == target_only
+    assert all(r.stats.filtered_fraction == 0.0 for r in res)
+
+
+def test_filter_at_the_median_confidence_mixes_sources(tiny_model):
+    from calid.decoding.confidence import top1
+    from calid.runtime.runner import SeqInput
+
+    draft = ModelRunner(self_draft(tiny_model, 1))
+    logits = draft.forward([SeqInput("probe", list(range(1, 40)), logits_at=list(range(39)))])[0]
+    median_prob = float(top1(logits)[1].neg().exp().median())
+    res = run(engine(tiny_model), DecodeParams(mode="filter", threshold=median_prob, gamma=4))
+    fractions = [r.stats.filtered_fraction for r in res]
+    assert any(0.0 < f < 1.0 for f in fractions)
+    for r in res:
+        assert r.stats.draft_tokens + r.stats.target_tokens == len(r.output_ids)
+
+
+def test_rollback_with_zero_tolerance_is_target_only(tiny_model, target_only):
+    res = run(engine(tiny_model), DecodeParams(mode="rollback", rollback_nll=0.0, gamma=3))
+    assert [r.output_ids for r in res] == target_only
+
+
+def test_sampled_speculative_is_reproducible_per_seed(tiny_model):
+    decode = DecodeParams(mode="speculative", gamma=3)
+    a = run(engine(tiny_model), decode, temperature=0.8, seed=11)
+    b = run(engine(tiny_model), decode, temperature=0.8, seed=11)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+
+
+def test_adaptive_threshold_moves(tiny_model):
+    res = run(engine(tiny_model), DecodeParams(mode="speculative", gamma=4, threshold=0.2, adaptive=True))
+    assert [r.output_ids for r in res]  # runs; adaptation is exercised on every verification
+    assert sum(r.stats.verifications for r in res) > 0
+
+
+def test_different_vocabularies_are_refused(tiny_model, tiny_cfg):
+    from dataclasses import replace
+
+    from calid.models.llama import LlamaModel
+
+    other = LlamaModel(replace(tiny_cfg, vocab_size=tiny_cfg.vocab_size + 1)).eval()
+    with pytest.raises(EngineConfigError, match="different vocabularies"):
+        Engine(ModelRunner(tiny_model), IdTokenizer(), frozenset(), draft=ModelRunner(other))
+
+
+def test_draft_modes_need_a_draft(tiny_model):
+    with pytest.raises(EngineConfigError, match="needs a draft model"):
+        run(engine(tiny_model, 0), DecodeParams(mode="speculative"))
+
+
+@pytest.mark.parametrize("decode, message", [
+    (DecodeParams(mode="beam"), "mode must be one of"),
+    (DecodeParams(gamma=0), "gamma must be an integer"),
+    (DecodeParams(threshold=1.5), "threshold must be a probability"),
+])
+def test_bad_decode_params(tiny_model, decode, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        run(engine(tiny_model), decode)
+
+
+def test_caches_are_freed_when_requests_finish_or_the_consumer_stops(tiny_model):
+    eng = engine(tiny_model)
+    run(eng, DecodeParams(mode="speculative"))
+    assert len(eng.target.caches) == 0 and len(eng.draft.caches) == 0
+    stream = eng.stream([GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=50), decode=DecodeParams())])
+    next(stream)
+    stream.close()  # client went away
+    assert len(eng.target.caches) == 0 and len(eng.draft.caches) == 0
