@@ -94,19 +94,16 @@ def build_engine(target_lm, draft_spec: str | None, dtype: str, device: str, max
     from calid.models.self_draft import self_draft
     from calid.runtime.runner import ModelRunner
 
-    draft = None
     if draft_spec and draft_spec.startswith("self:"):
         try:
             layers = int(draft_spec[5:])
         except ValueError:
             raise CalidError(f"--draft self:N needs an integer N, got {draft_spec!r}") from None
         draft = ModelRunner(self_draft(target_lm.model, layers))
-    elif draft_spec:
-        draft_lm = load_model(draft_spec, dtype, device)
-        if draft_lm.tokenizer.get_vocab() != target_lm.tokenizer.get_vocab():
-            raise CalidError(f"draft {draft_spec} and target {target_lm.name} have different tokenizers")
-        draft = ModelRunner(draft_lm.model)
-    return Engine(ModelRunner(target_lm.model), target_lm.tokenizer, target_lm.eos_ids, draft=draft, max_batch=max_batch)
+        return Engine(ModelRunner(target_lm.model), target_lm.tokenizer, target_lm.eos_ids, draft=draft,
+                      max_batch=max_batch)
+    draft_lm = load_model(draft_spec, dtype, device) if draft_spec else None
+    return Engine.from_loaded(target_lm, draft_lm, max_batch=max_batch)
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:

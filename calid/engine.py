@@ -62,6 +62,14 @@ class Engine:
         self.default_decode = default_decode or DecodeParams(mode="ar" if draft is None else "speculative")
         self._ids = itertools.count()
 
+    @classmethod
+    def from_loaded(cls, target, draft=None, max_batch: int = 8, kv_budget_bytes: int | None = None) -> "Engine":
+        """Engine over LoadedModels (``calid.load_model``); refuses a draft with another tokenizer."""
+        if draft is not None and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+            raise EngineConfigError(f"draft {draft.name} and target {target.name} have different tokenizers")
+        return cls(ModelRunner(target.model, kv_budget_bytes), target.tokenizer, target.eos_ids,
+                   draft=ModelRunner(draft.model, kv_budget_bytes) if draft is not None else None, max_batch=max_batch)
+
     # ---- public API -----------------------------------------------------------
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -47,26 +47,29 @@ class RuleInput:
     rollback_nll: float = float("inf")  # rollback threshold
 
 
+def _target_token(x: RuleInput, row: int) -> int:
+    """A token drawn from the target's warped distribution at ``row`` of p."""
+    return int(sample(x.p[row][None], x.generator)[0])
+
+
 def filter_rule(x: RuleInput) -> Verdict:
     # only the row after the last draft token is used, so p may be just that row [1, V]
-    return Verdict(x.draft.shape[0], int(sample(x.p[-1:], x.generator)[0]))
+    return Verdict(x.draft.shape[0], _target_token(x, -1))
 
 
 def rollback_rule(x: RuleInput) -> Verdict:
     g = x.draft.shape[0]
-    if g == 0:
-        return Verdict(0, int(sample(x.p[:1], x.generator)[0]))  # nothing drafted: plain target step
-    if x.target_nll is None:
+    if g and x.target_nll is None:
         raise ValueError("rollback verification needs the target NLL of each draft token")
-    too_unlikely = x.target_nll > x.rollback_nll  # [g]
+    too_unlikely = x.target_nll > x.rollback_nll if g else torch.zeros(0, dtype=torch.bool)  # [g]
     first = int(too_unlikely.nonzero()[0]) if bool(too_unlikely.any()) else g
-    return Verdict(first, int(sample(x.p[first : first + 1], x.generator)[0]))
+    return Verdict(first, _target_token(x, first))
 
 
 def speculative_rule(x: RuleInput) -> Verdict:
     g = x.draft.shape[0]
     if g == 0:
-        return Verdict(0, int(sample(x.p[:1], x.generator)[0]))  # nothing drafted: plain target step
+        return Verdict(0, _target_token(x, 0))  # nothing drafted: a plain target step
     if x.q is None:
         raise ValueError("speculative verification needs the draft distributions q")
     rows = torch.arange(g)
@@ -77,7 +80,7 @@ def speculative_rule(x: RuleInput) -> Verdict:
     accept = u * q_x < p_x  # [g]
     first = int((~accept).nonzero()[0]) if not bool(accept.all()) else g
     if first == g:
-        return Verdict(g, int(sample(x.p[g : g + 1], x.generator)[0]))  # bonus
+        return Verdict(g, _target_token(x, g))  # bonus
     residual = (x.p[first] - x.q[first]).clamp_min(0.0)  # [V]
     total = residual.sum()
     # p == q exactly at this row would make the residual empty; rejection then has probability 0,

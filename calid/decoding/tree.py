@@ -1,0 +1,144 @@
+"""Token trees (SpecInfer, LLMCad) as plain arrays, and their verification.
+
+A tree hangs below the *root*: the last committed token. Nodes are numbered
+0..n-1 with every parent before its children. Arrays:
+
+  tokens[i]   token id of node i
+  parent[i]   index of node i's parent, -1 when its parent is the root
+  depth[i]    1 for children of the root, parent's depth + 1 otherwise
+
+The target verifies a tree in one forward over ``[root] + tokens``: the root
+at position L-1 (L = committed length) and node i at position L-1+depth[i],
+under the mask ``with_root_mask()`` (each token sees the root, its ancestors
+and itself). Row 0 of the logits is the target's distribution after the root,
+row i+1 its distribution after node i.
+
+Verification walks down from the root (terms as in acceptance.py): a child is
+*accepted* when the target agrees with it; the walk ends with a *recovered*
+token (no child accepted) or a *bonus* token (a leaf was reached).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from calid.decoding.sampling import sample
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, merge: bool = True) -> int:
+        """Append a node; with ``merge`` return the existing child of ``parent`` with this token instead.
+
+        Stochastic trees must not merge: each i.i.d. draft draw is its own child,
+        because multi-step speculative sampling updates the residual once per draw.
+        """
+        for i in self.children(parent) if merge else ():
+            if self.tokens[i] == token:
+                return i
+        self.tokens.append(token)
+        self.parent.append(parent)
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        return len(self.tokens) - 1
+
+    def children(self, node: int) -> list[int]:
+        return [i for i, p in enumerate(self.parent) if p == node]
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node``."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parent[node]
+        return out[::-1]
+
+    @classmethod
+    def from_chains(cls, chains: list[list[int]], budget: int | None = None) -> "TokenTree":
+        """Merge draft sequences by common prefix (SpecInfer), keeping at most ``budget`` nodes."""
+        tree = cls()
+        for chain in chains:
+            node = -1
+            for token in chain:
+                existing = [i for i in tree.children(node) if tree.tokens[i] == token]
+                if not existing and budget is not None and len(tree) >= budget:
+                    break
+                node = tree.add(token, node)
+        return tree
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n, n] bool: node i may attend to node j iff j is i or an ancestor of i."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            for j in self.path(i):
+                mask[i, j] = True
+        return mask
+
+    def with_root_mask(self) -> torch.Tensor:
+        """[n+1, n+1] bool for the verify forward over [root] + nodes."""
+        n = len(self)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        mask[1:, 1:] = self.ancestor_mask()
+        return mask
+
+    def positions(self, committed: int) -> list[int]:
+        """RoPE positions of [root] + nodes when ``committed`` tokens precede (the root is the last)."""
+        return [committed - 1] + [committed - 1 + d for d in self.depth]
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # accepted node indices, root's child first
+    next_token: int  # recovered or bonus token from the target
+
+
+def verify_greedy(tree: TokenTree, target_argmax: list[int]) -> TreeVerdict:
+    """VerifyGreedy. ``target_argmax[r]`` = target's top token at row r (0 = root, i+1 = node i)."""
+    node, path = -1, []
+    while True:
+        want = target_argmax[node + 1]
+        match = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if match is None:
+            return TreeVerdict(path, want)
+        path.append(match)
+        node = match
+
+
+def verify_stochastic(tree: TokenTree, p: torch.Tensor, q: torch.Tensor, generator=None) -> TreeVerdict:
+    """VerifyStochastic (SpecInfer multi-step speculative sampling).
+
+    p [n+1, V]: target distributions by row (0 = root, i+1 = node i).
+    q [n+1, V]: the draft distribution each node's *children* were drawn from, by the same rows;
+    children of one node must be independent draws from that row of q, duplicates kept
+    as separate children (``TokenTree.add(..., merge=False)``).
+    At a node, children are tried in order: accept child x with probability
+    min(1, p'(x) / q(x)); on rejection p' <- norm(max(0, p' - q)). If no child
+    is accepted the recovered token is drawn from p'; at a leaf the bonus from p.
+    """
+    node, path = -1, []
+    while True:
+        row = node + 1
+        residual = p[row].clone()
+        accepted = None
+        for child in tree.children(node):
+            x = tree.tokens[child]
+            u = float(torch.rand(1, generator=generator))
+            if u * float(q[row, x]) < float(residual[x]):
+                accepted = child
+                break
+            residual = (residual - q[row]).clamp_min(0.0)
+            total = residual.sum()
+            residual = residual / total if total > 0 else p[row].clone()
+        if accepted is None:
+            return TreeVerdict(path, int(sample(residual[None], generator)[0]))
+        path.append(accepted)
+        node = accepted
