@@ -72,9 +72,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help=f"draft model for non-ar modes: preset, folder, .gguf, or self:N for the target's "
                         f"first N layers (default {DEFAULT_DRAFT})")
-    p.add_argument("--gamma", type=int, default=4, help="most draft tokens per target call")
+    p.add_argument("--gamma", type=int, default=8, help="most draft tokens per target call (default 8)")
     p.add_argument("--threshold", type=float, default=None,
-                   help="draft confidence (top-1 probability) in [0, 1]; filter default 0.5, others 0 (fixed gamma)")
+                   help="draft confidence (top-1 probability) in [0, 1]; default 0.7 for filter, "
+                        "0.4 for speculative/rollback (stop drafting below it)")
     p.add_argument("--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone")
     p.add_argument("--adaptive", action="store_true", help="LLMCad-style self-adaptive threshold")
 
@@ -82,7 +83,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 def decode_params(args):
     from calid.decoding.modes import DecodeParams
 
-    threshold = args.threshold if args.threshold is not None else (0.5 if args.mode == "filter" else 0.0)
+    threshold = args.threshold if args.threshold is not None else (0.7 if args.mode == "filter" else 0.4)
     return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
                         adaptive=args.adaptive).validate()
 

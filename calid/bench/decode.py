@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
     p.add_argument("--humaneval", type=int, default=3, help="HumanEval prompts (default 3)")
-    p.add_argument("--mtbench", type=int, default=2, help="MT-bench first-turn prompts (default 2)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="HumanEval cap; MT-bench gets half")
+    p.add_argument("--mtbench", type=int, default=1, help="MT-bench first-turn prompts (default 1)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="HumanEval cap; MT-bench gets half")
     p.add_argument("--filter-thresholds", default="0.4,0.7,0.9", help="comma-separated top-1 probabilities")
     p.add_argument("--rollback-nlls", default="1.5,4.0", help="comma-separated target NLL bounds")
     p.add_argument("--no-hf", action="store_true", help="skip HF assisted generation")
@@ -157,6 +157,14 @@ def _hf_assisted(hf_target, hf_draft, ids: list[int], max_new: int, eos_ids) -> 
 
 def _rows(cfgs, tallies, prompts: list[Prompt], target_runner) -> list[dict]:
     ar = tallies[cfgs[0][0]]
+    nll_cache: dict[tuple, float] = {}  # lossless configurations repeat the target's output: score it once
+
+    def nll(pr: Prompt, out: list[int]) -> float:
+        key = (tuple(pr.ids), tuple(out))
+        if key not in nll_cache:
+            nll_cache[key] = target_nll(target_runner, pr.ids, out)
+        return nll_cache[key]
+
     ar_tps = sum(map(len, ar.outputs)) / ar.seconds
     rows = []
     for name, decode in cfgs:
@@ -167,7 +175,7 @@ def _rows(cfgs, tallies, prompts: list[Prompt], target_runner) -> list[dict]:
             "config": name, "tokens": tokens, "seconds": t.seconds, "tok_s": tokens / t.seconds,
             "ratio_vs_ar": tokens / t.seconds / ar_tps,
             "agreement_with_ar": sum(prefix_agreement(o, r) for o, r in zip(t.outputs, ar.outputs)) / len(prompts),
-            "target_nll": sum(target_nll(target_runner, pr.ids, o) for pr, o in zip(prompts, t.outputs)) / len(prompts),
+            "target_nll": sum(nll(pr, o) for pr, o in zip(prompts, t.outputs)) / len(prompts),
             "pass_at_1": sum(passes_humaneval(text, prob) for text, prob in he) / len(he) if he else float("nan"),
         }
         if decode is not None:

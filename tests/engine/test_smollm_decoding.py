@@ -29,7 +29,7 @@ def target_greedy(smol, prompts):
 
 
 @pytest.mark.parametrize("decode", [
-    DecodeParams(mode="speculative", gamma=4),
+    DecodeParams(mode="speculative", gamma=4, threshold=0.0),
     DecodeParams(mode="speculative", gamma=6, threshold=0.4),  # dynamic draft length
 ])
 def test_greedy_speculative_is_identical_to_target(smol, prompts, target_greedy, decode):
@@ -40,7 +40,7 @@ def test_greedy_speculative_is_identical_to_target(smol, prompts, target_greedy,
 
 
 def test_full_depth_self_draft_accepts_everything(smol, prompts, target_greedy):
-    res = run(smol, prompts, DecodeParams(mode="speculative", gamma=4), draft_layers=smol.config.num_layers)
+    res = run(smol, prompts, DecodeParams(mode="speculative", gamma=4, threshold=0.0), draft_layers=smol.config.num_layers)
     assert [r.output_ids for r in res] == target_greedy
     assert all(a == 1.0 for r in res for a in r.stats.acceptance_by_position)
 
@@ -59,14 +59,14 @@ def test_filter_extremes(smol, prompts, target_greedy):
 
 
 def test_rollback_zero_tolerance_is_target_and_lenient_is_mixed(smol, prompts, target_greedy):
-    strict = run(smol, prompts, DecodeParams(mode="rollback", gamma=4, rollback_nll=0.0))
+    strict = run(smol, prompts, DecodeParams(mode="rollback", gamma=4, threshold=0.0, rollback_nll=0.0))
     assert [r.output_ids for r in strict] == target_greedy
-    lenient = run(smol, prompts, DecodeParams(mode="rollback", gamma=4, rollback_nll=20.0))
+    lenient = run(smol, prompts, DecodeParams(mode="rollback", gamma=4, threshold=0.0, rollback_nll=20.0))
     assert all(r.stats.filtered_fraction > 0.5 for r in lenient)
 
 
 def test_sampled_speculative_is_seed_reproducible(smol, prompts):
-    d = DecodeParams(mode="speculative", gamma=4)
+    d = DecodeParams(mode="speculative", gamma=4, threshold=0.0)
     a = run(smol, prompts[:2], d, temperature=0.7, top_p=0.9, seed=3)
     b = run(smol, prompts[:2], d, temperature=0.7, top_p=0.9, seed=3)
     assert [r.output_ids for r in a] == [r.output_ids for r in b]

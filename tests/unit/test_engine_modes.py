@@ -42,7 +42,7 @@ def test_greedy_speculative_equals_target_only(tiny_model, target_only, gamma, t
 
 def test_draft_equal_to_target_accepts_everything(tiny_model, target_only):
     eng = engine(tiny_model, draft_layers=tiny_model.cfg.num_layers)
-    res = run(eng, DecodeParams(mode="speculative", gamma=4))
+    res = run(eng, DecodeParams(mode="speculative", gamma=4, threshold=0.0))
     assert [r.output_ids for r in res] == target_only
     for r in res:
         assert r.stats.acceptance_by_position and all(a == 1.0 for a in r.stats.acceptance_by_position)
