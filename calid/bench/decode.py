@@ -12,19 +12,16 @@ JSON, Markdown and a PNG of quality vs filtered fraction (CALID Fig. 3 view).
 from __future__ import annotations
 
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from calid.bench.data import humaneval, humaneval_prompts, mtbench_questions
-from calid.bench.quality import passes_humaneval, prefix_agreement, target_nll
 from calid.bench.report import write_report
+from calid.bench.side_by_side import Prompt, run_configs, tabulate
 from calid.decoding.modes import DecodeParams
-from calid.progress import progress
 
-COLUMNS = ["config", "tok_s", "ratio_vs_ar", "filtered_fraction", "mean_accepted", "target_calls_per_token",
+COLUMNS = ["config", "tok_s", "ratio_vs_ar", "filtered_fraction", "mean_accepted", "edl", "target_calls_per_token",
            "agreement_with_ar", "target_nll", "pass_at_1", "tokens", "seconds"]
 HF_ASSISTED = "HF assisted generation"
 
@@ -69,29 +66,11 @@ def _floats(text: str) -> list[float]:
         raise CalidError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-@dataclass
-class Prompt:
-    kind: str  # "humaneval" | "mtbench"
-    ids: list[int]
-    max_new: int
-    problem: dict | None = None
-
-
-@dataclass
-class Tally:
-    outputs: list[list[int]] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    draft_tokens: int = 0
-    target_calls: int = 0
-    verifications: int = 0
-    accepted: int = 0
-
-
 def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from calid.cli import build_engine
+    from calid.errors import CalidError
     from calid.generation import GenerationRequest, SamplingParams
     from calid.models.loader import load_model
     from calid.text import encode_prompt
@@ -111,38 +90,20 @@ def run(args) -> int:
         hf_target = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
         draft_path = load_model(args.draft, show_progress=False).path if not args.draft.startswith("self:") else None
         if draft_path is None:
-            raise SystemExit("HF assisted generation needs a separate draft model; use --no-hf with self:N")
+            raise CalidError("HF assisted generation needs a separate draft model; use --no-hf with self:N")
         hf_draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=torch.float32).eval()
 
     print(f"bench decode: target {target.name}, draft {args.draft}; {n_he} HumanEval + {n_mt} MT-bench prompts, "
           f"up to {max_new} new tokens (HumanEval) at batch 1, greedy; {len(cfgs)} configurations", file=sys.stderr)
     warm = GenerationRequest(prompts[0].ids[:16], SamplingParams(max_new_tokens=4), decode=DecodeParams(mode="speculative"))
-    engine.generate([warm])
+    engine.generate([warm])  # first-call allocations out of the timings
 
-    tallies = {name: Tally() for name, _ in cfgs}
-    with progress(len(prompts) * len(cfgs), "bench decode", "run") as bar:
-        for i, pr in enumerate(prompts):
-            order = cfgs[i % len(cfgs):] + cfgs[: i % len(cfgs)]
-            for name, decode in order:
-                t = tallies[name]
-                start = time.perf_counter()
-                if decode is None:
-                    out = _hf_assisted(hf_target, hf_draft, pr.ids, pr.max_new, target.eos_ids)
-                else:
-                    res = engine.generate([GenerationRequest(pr.ids, SamplingParams(max_new_tokens=pr.max_new),
-                                                             decode=decode)])[0]
-                    out = res.output_ids
-                    t.draft_tokens += res.stats.draft_tokens
-                    t.target_calls += res.stats.target_calls
-                    t.verifications += res.stats.verifications
-                    t.accepted += res.stats.accepted_total
-                t.seconds += time.perf_counter() - start
-                t.outputs.append(out)
-                t.texts.append(tok.decode(out, skip_special_tokens=True))
-                bar.update(1)
-                bar.set_postfix_str(name)
-
-    rows = _rows(cfgs, tallies, prompts, engine.target)
+    hf_fn = None
+    if hf_target is not None:
+        hf_fn = lambda ids, n: _hf_assisted(hf_target, hf_draft, ids, n, target.eos_ids)
+    runs = [(name, hf_fn if decode is None else decode) for name, decode in cfgs]
+    tallies = run_configs(engine, tok, prompts, runs, "bench decode")
+    rows = tabulate(runs, tallies, prompts, engine.target)
     _print_and_write(args, target.name, rows, n_he, n_mt, max_new)
     return 0
 
@@ -153,39 +114,6 @@ def _hf_assisted(hf_target, hf_draft, ids: list[int], max_new: int, eos_ids) -> 
     out = hf_target.generate(input_ids=x, attention_mask=torch.ones_like(x), assistant_model=hf_draft,
                              do_sample=False, max_new_tokens=max_new, eos_token_id=sorted(eos_ids))
     return out[0, len(ids):].tolist()
-
-
-def _rows(cfgs, tallies, prompts: list[Prompt], target_runner) -> list[dict]:
-    ar = tallies[cfgs[0][0]]
-    nll_cache: dict[tuple, float] = {}  # lossless configurations repeat the target's output: score it once
-
-    def nll(pr: Prompt, out: list[int]) -> float:
-        key = (tuple(pr.ids), tuple(out))
-        if key not in nll_cache:
-            nll_cache[key] = target_nll(target_runner, pr.ids, out)
-        return nll_cache[key]
-
-    ar_tps = sum(map(len, ar.outputs)) / ar.seconds
-    rows = []
-    for name, decode in cfgs:
-        t = tallies[name]
-        tokens = sum(map(len, t.outputs))
-        he = [(text, pr.problem) for text, pr in zip(t.texts, prompts) if pr.kind == "humaneval"]
-        row = {
-            "config": name, "tokens": tokens, "seconds": t.seconds, "tok_s": tokens / t.seconds,
-            "ratio_vs_ar": tokens / t.seconds / ar_tps,
-            "agreement_with_ar": sum(prefix_agreement(o, r) for o, r in zip(t.outputs, ar.outputs)) / len(prompts),
-            "target_nll": sum(nll(pr, o) for pr, o in zip(prompts, t.outputs)) / len(prompts),
-            "pass_at_1": sum(passes_humaneval(text, prob) for text, prob in he) / len(he) if he else float("nan"),
-        }
-        if decode is not None:
-            row["filtered_fraction"] = t.draft_tokens / tokens if tokens else 0.0
-            row["target_calls_per_token"] = t.target_calls / tokens if tokens else 0.0
-            row["mean_accepted"] = t.accepted / t.verifications if t.verifications else "-"
-        else:
-            row.update(filtered_fraction="-", target_calls_per_token="-", mean_accepted="-")
-        rows.append(row)
-    return rows
 
 
 def _print_and_write(args, target_name: str, rows: list[dict], n_he: int, n_mt: int, max_new: int) -> None:

@@ -7,15 +7,18 @@ from dataclasses import dataclass
 from calid.decoding.confidence import Threshold
 from calid.errors import InvalidRequestError
 
-MODES = ("ar", "filter", "rollback", "speculative")
+MODES = ("ar", "filter", "rollback", "speculative", "tree", "lookahead")
+TREE_MODES = ("tree", "lookahead")
 
 
 @dataclass(frozen=True)
 class DecodeParams:
     """How one request uses the draft.
 
-    mode          ar (target only) | filter | rollback | speculative
-    gamma         most draft tokens per target call
+    mode          ar (target only) | filter | rollback | speculative | tree | lookahead
+    gamma         most draft tokens per target call (tree: length of the main branch;
+                  lookahead: most tree nodes, capped by the trie's decoding length)
+    tree_width    tree: tokens tried at an unconfident position (main + width-1 alternatives)
     threshold     draft confidence as a top-1 probability in [0, 1]:
                   filter      accept a draft token when its top-1 probability >= threshold
                               (0 = draft only, 1 = target for (almost) every token)
@@ -31,6 +34,7 @@ class DecodeParams:
     threshold: float = 0.4  # ...and stop early when the draft is unsure (best measured: calid bench decode)
     rollback_nll: float = 2.0
     adaptive: bool = False
+    tree_width: int = 3
 
     def validate(self) -> "DecodeParams":
         if self.mode not in MODES:
@@ -39,13 +43,20 @@ class DecodeParams:
             raise InvalidRequestError(f"gamma must be an integer in [1, 64], got {self.gamma!r}")
         if not (0.0 <= self.threshold <= 1.0):
             raise InvalidRequestError(f"threshold must be a probability in [0, 1], got {self.threshold!r}")
+        if not isinstance(self.tree_width, int) or not 1 <= self.tree_width <= 16:
+            raise InvalidRequestError(f"tree_width must be an integer in [1, 16], got {self.tree_width!r}")
         if math.isnan(self.rollback_nll) or self.rollback_nll < 0:
             raise InvalidRequestError(f"rollback_nll must be >= 0, got {self.rollback_nll!r}")
         return self
 
     @property
     def uses_draft(self) -> bool:
-        return self.mode != "ar"
+        """Needs a draft model (lookahead drafts from its trie instead)."""
+        return self.mode not in ("ar", "lookahead")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.mode in TREE_MODES
 
     def confidence(self) -> Threshold:
         return Threshold.from_prob(self.threshold)

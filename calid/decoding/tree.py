@@ -90,6 +90,23 @@ class TokenTree:
         mask[1:, 1:] = self.ancestor_mask()
         return mask
 
+    def block_mask(self, prefix: int) -> torch.Tensor:
+        """[prefix+n, prefix+n] bool for a forward over ``prefix`` committed tokens then the nodes.
+
+        The committed tokens are causal among themselves; every node sees all of
+        them, its ancestors and itself. ``block_mask(1)`` is ``with_root_mask()``.
+        """
+        n = len(self)
+        mask = torch.zeros(prefix + n, prefix + n, dtype=torch.bool)
+        mask[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril()
+        mask[prefix:, :prefix] = True
+        mask[prefix:, prefix:] = self.ancestor_mask()
+        return mask
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth, default=0)
+
     def positions(self, committed: int) -> list[int]:
         """RoPE positions of [root] + nodes when ``committed`` tokens precede (the root is the last)."""
         return [committed - 1] + [committed - 1 + d for d in self.depth]
@@ -111,6 +128,32 @@ def verify_greedy(tree: TokenTree, target_argmax: list[int]) -> TreeVerdict:
             return TreeVerdict(path, want)
         path.append(match)
         node = match
+
+
+def verify_sampled(tree: TokenTree, p: torch.Tensor, generator=None) -> TreeVerdict:
+    """Exact verification of a *deterministic* tree (top-k or trie branches) under sampling.
+
+    p [n+1, V] by row as in verify_greedy. At a node the distinct children are
+    tried in order: child x is accepted with probability r(x) / sum(r), where r
+    starts as p and loses each rejected child's token (sampling without
+    replacement), so every token is emitted with exactly its probability under p.
+    """
+    node, path = -1, []
+    while True:
+        residual = p[node + 1].clone()
+        accepted = None
+        for child in tree.children(node):
+            x = tree.tokens[child]
+            total = float(residual.sum())
+            if total > 0 and float(torch.rand(1, generator=generator)) * total < float(residual[x]):
+                accepted = child
+                break
+            residual[x] = 0.0
+        if accepted is None:
+            dist = residual if float(residual.sum()) > 0 else p[node + 1]
+            return TreeVerdict(path, int(sample(dist[None] / dist.sum(), generator)[0]))
+        path.append(accepted)
+        node = accepted
 
 
 def verify_stochastic(tree: TokenTree, p: torch.Tensor, q: torch.Tensor, generator=None) -> TreeVerdict:

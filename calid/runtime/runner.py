@@ -79,6 +79,11 @@ class ModelRunner:
         if seq_id in self.caches:
             self.caches.get(seq_id).truncate(length)
 
+    @torch.inference_mode()
+    def compact(self, seq_id: Hashable, rows: list[int], start: int) -> None:
+        """After a tree forward: keep only cache rows ``rows`` (the accepted branch) after ``start``."""
+        self.caches.get(seq_id).keep(rows, start)
+
     def release(self, seq_id: Hashable) -> None:
         self.caches.drop(seq_id)
 

@@ -69,3 +69,17 @@ def test_greedy_speculative_with_the_qwen_draft_is_identical_to_the_target():
     spec = eng.generate(reqs(DecodeParams(mode="speculative", gamma=5)))
     assert [r.output_ids for r in spec] == [r.output_ids for r in ar]
     assert all(r.stats.mean_accepted > 1.0 for r in spec)
+
+
+def test_greedy_tree_and_lookahead_on_the_qwen_target_are_identical_to_the_target():
+    from calid.decoding.modes import DecodeParams
+    from calid.engine import Engine
+
+    target = load_model(DEFAULT_TARGET, show_progress=False)
+    draft = load_model(DEFAULT_DRAFT, show_progress=False)
+    reqs = lambda d: [GenerationRequest(encode_prompt(target.tokenizer, p), SamplingParams(max_new_tokens=40), decode=d)
+                      for p in PROMPTS]
+    eng = Engine.from_loaded(target, draft)
+    ar = [r.output_ids for r in eng.generate(reqs(DecodeParams(mode="ar")))]
+    assert [r.output_ids for r in eng.generate(reqs(DecodeParams(mode="tree", gamma=6, threshold=0.6)))] == ar
+    assert [r.output_ids for r in eng.generate(reqs(DecodeParams(mode="lookahead", gamma=12)))] == ar

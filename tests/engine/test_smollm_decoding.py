@@ -70,3 +70,24 @@ def test_sampled_speculative_is_seed_reproducible(smol, prompts):
     a = run(smol, prompts[:2], d, temperature=0.7, top_p=0.9, seed=3)
     b = run(smol, prompts[:2], d, temperature=0.7, top_p=0.9, seed=3)
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
+
+
+@pytest.mark.parametrize("decode", [
+    DecodeParams(mode="tree", gamma=4, threshold=0.6, tree_width=3),
+    DecodeParams(mode="lookahead", gamma=8),
+])
+def test_greedy_tree_and_lookahead_are_identical_to_target(smol, prompts, target_greedy, decode):
+    res = run(smol, prompts, decode)
+    assert [r.output_ids for r in res] == target_greedy
+
+
+def test_lookahead_on_a_summarization_style_prompt_accepts_copied_spans(smol):
+    text = ("The committee approved the new budget on Tuesday. The new budget increases funding for public "
+            "schools and road repairs. Critics said the new budget does not do enough for housing.")
+    prompt = encode_prompt(smol.tokenizer, f"Repeat this text exactly:\n{text}")
+    reqs = lambda m: [GenerationRequest(prompt, SamplingParams(max_new_tokens=40), decode=DecodeParams(mode=m))]
+    eng = make_engine(smol, draft_layers=0)
+    ar = eng.generate(reqs("ar"))[0]
+    la = eng.generate(reqs("lookahead"))[0]
+    assert la.output_ids == ar.output_ids
+    assert la.stats.mean_accepted >= 1.0  # effective decoding length >= 2 tokens per target forward

@@ -127,3 +127,33 @@ def test_caches_are_freed_when_requests_finish_or_the_consumer_stops(tiny_model)
     next(stream)
     stream.close()  # client went away
     assert len(eng.target.caches) == 0 and len(eng.draft.caches) == 0
+
+
+@pytest.mark.parametrize("decode", [
+    DecodeParams(mode="tree", gamma=4, threshold=0.5, tree_width=3),
+    DecodeParams(mode="tree", gamma=2, threshold=1.0, tree_width=2),
+    DecodeParams(mode="lookahead", gamma=8),
+])
+def test_greedy_tree_modes_equal_target_only(tiny_model, target_only, decode):
+    res = run(engine(tiny_model), decode)
+    assert [r.output_ids for r in res] == target_only
+    assert all(r.stats.target_calls <= len(r.output_ids) for r in res)
+
+
+def test_tree_with_full_depth_draft_accepts_the_main_branch(tiny_model, target_only):
+    eng = engine(tiny_model, draft_layers=tiny_model.cfg.num_layers)
+    res = run(eng, DecodeParams(mode="tree", gamma=4, threshold=0.0, tree_width=2))
+    assert [r.output_ids for r in res] == target_only
+    assert all(r.stats.mean_accepted > 3 for r in res)
+
+
+def test_lookahead_accepts_repeated_text(tiny_model):
+    """A prompt that repeats what the model will say lets lookahead accept several tokens per step."""
+    eng = engine(tiny_model, draft_layers=0)
+    first = eng.generate([GenerationRequest([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=30), decode=DecodeParams(mode="ar"))])[0]
+    prompt = [3, 1, 4, 1, 5] + first.output_ids + [3, 1, 4, 1, 5]  # the continuation is in the prompt
+    ar = eng.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24), decode=DecodeParams(mode="ar"))])[0]
+    la = eng.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24), decode=DecodeParams(mode="lookahead"))])[0]
+    assert la.output_ids == ar.output_ids
+    assert la.stats.target_calls < len(la.output_ids) / 2
+    assert len(eng.trees._global._prompts) == 0  # the finished prompt was eliminated from the trie
