@@ -81,6 +81,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone")
     p.add_argument("--adaptive", action="store_true", help="LLMCad-style self-adaptive threshold")
     p.add_argument("--tree-width", type=int, default=3, help="tree: tokens tried where the draft is unsure")
+    p.add_argument("--tree-chains", type=int, default=1, help="tree: draft chains merged by common prefix (SpecInfer)")
 
 
 def decode_params(args):
@@ -88,7 +89,8 @@ def decode_params(args):
 
     threshold = args.threshold if args.threshold is not None else (0.7 if args.mode == "filter" else 0.4)
     return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
-                        adaptive=args.adaptive, tree_width=args.tree_width).validate()
+                        adaptive=args.adaptive, tree_width=args.tree_width,
+                        tree_chains=args.tree_chains).validate()
 
 
 def build_engine(target_lm, draft_spec: str | None, dtype: str, device: str, max_batch: int = 8):

@@ -28,6 +28,7 @@ class TreeStepper:
         self.shared_trie = shared_trie
         self._global = LookaheadTrie(lookahead)
         self._tries: dict[Hashable, LookaheadTrie] = {}
+        self._lanes: dict[Hashable, int] = {}  # draft chains per tree request, to free their caches
 
     # ---- lookahead trie lifecycle ------------------------------------------------
 
@@ -41,6 +42,8 @@ class TreeStepper:
             self.trie(s.req.request_id).put_prompt(s.req.request_id, s.req.prompt_ids)
 
     def release(self, request_id: Hashable) -> None:
+        for chain in range(1, self._lanes.pop(request_id, 1)):
+            self.draft.release(self._lane_id(request_id, chain))
         if self.shared_trie:
             self._global.eliminate(request_id)
         else:
@@ -63,30 +66,46 @@ class TreeStepper:
         return TokenTree()
 
     def _draft_trees(self, reqs: list[RequestState], trees: dict, budgets: dict) -> None:
-        """Main branch by the draft's top-1; at unconfident positions add the next-best tokens as siblings."""
-        tips = {s.req.request_id: -1 for s in reqs}
-        live = [s for s in reqs if min(s.req.decode.gamma, budgets[s.req.request_id]) > 0]
-        while live:
+        """Draft every request's tree, one batched draft forward per depth over all chains.
+
+        Chain 0 follows the draft's top-1 and, where the draft is unsure, adds the
+        next-best tokens as sibling leaves (LLMCad). Chain j > 0 opens with the
+        j-th best token of chain 0's first row and then follows its own top-1;
+        chains are merged by common prefix as they grow (SpecInfer).
+        """
+        lanes = []  # [request, chain index, tip node]
+        for s in reqs:
+            if min(s.req.decode.gamma, budgets[s.req.request_id]) > 0:
+                lanes.append([s, 0, -1])
+                self._lanes[s.req.request_id] = s.req.decode.tree_chains
+        while lanes:
             inputs = []
-            for s in live:
+            for s, j, tip in lanes:
                 tree = trees[s.req.request_id]
-                chain = [tree.tokens[i] for i in tree.path(tips[s.req.request_id])] if tree.tokens else []
-                inputs.append(SeqInput(s.req.request_id, self.draft.sync(s.req.request_id, s.token_ids + chain)))
-            rows = torch.cat(self.draft.forward(inputs))  # [B, V]
+                chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
+                lane_id = self._lane_id(s.req.request_id, j)
+                inputs.append(SeqInput(lane_id, self.draft.sync(lane_id, s.token_ids + chain)))
+            rows = torch.cat(self.draft.forward(inputs))  # [lanes, V]
             _, nll = top1(rows)
             still = []
-            for s, row, row_nll in zip(live, rows, nll.tolist()):
-                rid, tree = s.req.request_id, trees[s.req.request_id]
-                width = s.req.decode.tree_width if row_nll > s.confidence.nll else 1
-                best = torch.topk(row, width).indices.tolist()
-                parent = tips[rid]
-                tips[rid] = tree.add(best[0], parent)
-                for alt in best[1:]:
-                    tree.add(alt, parent)
+            for (s, j, tip), row, row_nll in zip(lanes, rows, nll.tolist()):
+                tree, decode = trees[s.req.request_id], s.req.decode
+                unsure = row_nll > s.confidence.nll
+                best = torch.topk(row, max(decode.tree_chains, decode.tree_width if unsure else 1)).indices.tolist()
+                new_tip = tree.add(best[0], tip)
+                if j == 0:
+                    for alt in best[1 : decode.tree_width] if unsure else ():
+                        tree.add(alt, tip)
+                    if tip < 0:  # the other chains open with the next-best first tokens
+                        still += [[s, c, tree.add(best[c], -1)] for c in range(1, decode.tree_chains)]
                 s.stats.draft_calls += 1
-                if tree.max_depth < min(s.req.decode.gamma, budgets[rid]):
-                    still.append(s)
-            live = still
+                still.append([s, j, new_tip])
+            lanes = [[s, j, tip] for s, j, tip in still
+                     if trees[s.req.request_id].depth[tip] < min(s.req.decode.gamma, budgets[s.req.request_id])]
+
+    @staticmethod
+    def _lane_id(request_id: Hashable, chain: int) -> Hashable:
+        return request_id if chain == 0 else (request_id, "chain", chain)
 
     def _verify(self, reqs: list[RequestState], trees: dict) -> dict:
         inputs, prefix = [], {}

@@ -4,7 +4,8 @@ lookahead: ar vs Lookahead at several decoding lengths vs HF transformers
            prompt lookup decoding (``prompt_lookup_num_tokens``), on summarization
            (XSum, MultiLexSum), HumanEval and MT-bench second turns; no draft model.
 tree:      ar vs the best single-chain speculative modes vs token trees
-           (LLMCad-style branching where the draft is unsure) on the Qwen pair.
+           (LLMCad-style branching where the draft is unsure; SpecInfer-style
+           chains merged by common prefix) on the Qwen pair.
 Both print tokens/s, ratio to ar, mean EDL (tokens per target forward) and
 tree acceptance; lossless modes must agree with ar token for token.
 """
@@ -140,7 +141,9 @@ def run_tree(args) -> int:
             ("speculative gamma=4", DecodeParams(mode="speculative", gamma=4, threshold=0.0)),
             ("speculative dynamic gamma<=8 t=0.4", DecodeParams(mode="speculative", gamma=8, threshold=0.4)),
             ("tree gamma=8 width=2 t=0.4", DecodeParams(mode="tree", gamma=8, threshold=0.4, tree_width=2)),
-            ("tree gamma=8 width=3 t=0.6", DecodeParams(mode="tree", gamma=8, threshold=0.6, tree_width=3))]
+            ("tree gamma=8 width=3 t=0.6", DecodeParams(mode="tree", gamma=8, threshold=0.6, tree_width=3)),
+            ("tree 3 chains merged gamma=6", DecodeParams(mode="tree", gamma=6, threshold=0.4, tree_width=1,
+                                                          tree_chains=3))]
     print(f"bench tree: target {target.name}, draft {args.draft}; {n_code} HumanEval + {n_mt} MT-bench prompts; "
           f"{max_new} new tokens; greedy", file=sys.stderr)
     tallies = run_configs(engine, target.tokenizer, prompts, cfgs, "bench tree")

@@ -19,6 +19,8 @@ class DecodeParams:
     gamma         most draft tokens per target call (tree: length of the main branch;
                   lookahead: most tree nodes, capped by the trie's decoding length)
     tree_width    tree: tokens tried at an unconfident position (main + width-1 alternatives)
+    tree_chains   tree: draft chains merged by common prefix (SpecInfer); chain j opens with
+                  the draft's j-th best first token, all chains drafted in one batched forward
     threshold     draft confidence as a top-1 probability in [0, 1]:
                   filter      accept a draft token when its top-1 probability >= threshold
                               (0 = draft only, 1 = target for (almost) every token)
@@ -35,6 +37,7 @@ class DecodeParams:
     rollback_nll: float = 2.0
     adaptive: bool = False
     tree_width: int = 3
+    tree_chains: int = 1
 
     def validate(self) -> "DecodeParams":
         if self.mode not in MODES:
@@ -45,6 +48,8 @@ class DecodeParams:
             raise InvalidRequestError(f"threshold must be a probability in [0, 1], got {self.threshold!r}")
         if not isinstance(self.tree_width, int) or not 1 <= self.tree_width <= 16:
             raise InvalidRequestError(f"tree_width must be an integer in [1, 16], got {self.tree_width!r}")
+        if not isinstance(self.tree_chains, int) or not 1 <= self.tree_chains <= 8:
+            raise InvalidRequestError(f"tree_chains must be an integer in [1, 8], got {self.tree_chains!r}")
         if math.isnan(self.rollback_nll) or self.rollback_nll < 0:
             raise InvalidRequestError(f"rollback_nll must be >= 0, got {self.rollback_nll!r}")
         return self

@@ -25,3 +25,15 @@ def test_bad_self_draft_spec_is_one_line(smol, capsys):
     argv = ["generate", "--model", TEST_MODEL, "--mode", "speculative", "--draft", "self:x", "hi"]
     assert main(argv) == 2
     assert "self:N needs an integer" in capsys.readouterr().err
+
+
+def test_generate_lookahead_needs_no_draft_model(smol, capsys, monkeypatch):
+    import calid.models.loader as loader
+
+    loaded = []
+    real = loader.load_model
+    monkeypatch.setattr(loader, "load_model", lambda spec, *a, **k: loaded.append(spec) or real(spec, *a, **k))
+    argv = ["generate", "--model", TEST_MODEL, "--mode", "lookahead", "--max-new-tokens", "12", "Say hello twice."]
+    assert main(argv) == 0
+    assert loaded == [TEST_MODEL]  # the target only
+    assert "lookahead" in capsys.readouterr().err

@@ -74,6 +74,7 @@ def test_sampled_speculative_is_seed_reproducible(smol, prompts):
 
 @pytest.mark.parametrize("decode", [
     DecodeParams(mode="tree", gamma=4, threshold=0.6, tree_width=3),
+    DecodeParams(mode="tree", gamma=4, threshold=0.6, tree_width=1, tree_chains=3),
     DecodeParams(mode="lookahead", gamma=8),
 ])
 def test_greedy_tree_and_lookahead_are_identical_to_target(smol, prompts, target_greedy, decode):

@@ -43,3 +43,8 @@ def test_models_list_shows_presets(capsys):
 def test_bad_decode_flags(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bad_tree_width(capsys):
+    assert main(["generate", "hi", "--mode", "tree", "--tree-width", "0"]) == 2
+    assert "tree_width must be an integer in [1, 16]" in capsys.readouterr().err

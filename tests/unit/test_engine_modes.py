@@ -157,3 +157,11 @@ def test_lookahead_accepts_repeated_text(tiny_model):
     assert la.output_ids == ar.output_ids
     assert la.stats.target_calls < len(la.output_ids) / 2
     assert len(eng.trees._global._prompts) == 0  # the finished prompt was eliminated from the trie
+
+
+@pytest.mark.parametrize("chains, width", [(3, 1), (2, 2)])
+def test_multi_chain_trees_are_lossless_and_free_every_chain_cache(tiny_model, target_only, chains, width):
+    eng = engine(tiny_model, draft_layers=1)
+    res = run(eng, DecodeParams(mode="tree", gamma=3, threshold=0.5, tree_width=width, tree_chains=chains))
+    assert [r.output_ids for r in res] == target_only
+    assert len(eng.draft.caches) == 0 and len(eng.target.caches) == 0
