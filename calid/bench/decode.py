@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
 
 def configs(args) -> list[tuple[str, DecodeParams | None]]:
     out = [("ar (target only)", DecodeParams(mode="ar")),
-           ("speculative gamma=4", DecodeParams(mode="speculative", gamma=4)),
+           ("speculative gamma=4", DecodeParams(mode="speculative", gamma=4, threshold=0.0)),
            ("speculative dynamic gamma<=8 t=0.4", DecodeParams(mode="speculative", gamma=8, threshold=0.4))]
     for t in _floats(args.filter_thresholds):
         out.append((f"filter t={t:g}", DecodeParams(mode="filter", gamma=8, threshold=t)))
