@@ -120,10 +120,13 @@ def _print_and_write(args, target_name: str, rows: list[dict], n_he: int, n_mt: 
     from calid.bench.plot import quality_vs_filtered
 
     by = {r["config"]: r for r in rows}
-    spec = by["speculative gamma=4"]
-    notes = [f"speculative gamma=4 vs ar: {spec['ratio_vs_ar']:.2f}x"]
-    if HF_ASSISTED in by:
-        notes.append(f"speculative gamma=4 vs HF assisted generation: {spec['tok_s'] / by[HF_ASSISTED]['tok_s']:.2f}x")
+    notes = []
+    for name in ("speculative gamma=4", "speculative dynamic gamma<=8 t=0.4"):
+        r = by[name]
+        line = f"{name} vs ar: {r['ratio_vs_ar']:.2f}x"
+        if HF_ASSISTED in by:
+            line += f", vs HF assisted generation: {r['tok_s'] / by[HF_ASSISTED]['tok_s']:.2f}x"
+        notes.append(line)
     notes += [
         "lossless modes (speculative) must show agreement_with_ar = 1.0 under greedy decoding",
         "agreement_with_ar: share of the target's greedy output reproduced before the first difference",
