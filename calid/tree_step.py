@@ -20,6 +20,9 @@ from calid.generation import RequestState
 from calid.runtime.runner import ModelRunner, SeqInput
 
 
+BRANCH_POINTS = 1  # unsure positions a chain branches at before it stops growing
+
+
 class TreeStepper:
     def __init__(self, target: ModelRunner, draft: ModelRunner | None, lookahead: LookaheadConfig,
                  shared_trie: bool = True):
@@ -69,18 +72,20 @@ class TreeStepper:
         """Draft every request's tree, one batched draft forward per depth over all chains.
 
         Chain 0 follows the draft's top-1 and, where the draft is unsure, adds the
-        next-best tokens as sibling leaves (LLMCad). Chain j > 0 opens with the
+        next-best tokens as sibling leaves (LLMCad); after ``BRANCH_POINTS`` unsure
+        positions a chain stops, as the dynamic-length chain does (deeper tokens
+        are rarely accepted, and drafting them is not free). Chain j > 0 opens with the
         j-th best token of chain 0's first row and then follows its own top-1;
         chains are merged by common prefix as they grow (SpecInfer).
         """
-        lanes = []  # [request, chain index, tip node]
+        lanes = []  # [request, chain index, tip node, unsure positions so far]
         for s in reqs:
             if min(s.req.decode.gamma, budgets[s.req.request_id]) > 0:
-                lanes.append([s, 0, -1])
+                lanes.append([s, 0, -1, 0])
                 self._lanes[s.req.request_id] = s.req.decode.tree_chains
         while lanes:
             inputs = []
-            for s, j, tip in lanes:
+            for s, j, tip, _ in lanes:
                 tree = trees[s.req.request_id]
                 chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
                 lane_id = self._lane_id(s.req.request_id, j)
@@ -88,7 +93,7 @@ class TreeStepper:
             rows = torch.cat(self.draft.forward(inputs))  # [lanes, V]
             _, nll = top1(rows)
             still = []
-            for (s, j, tip), row, row_nll in zip(lanes, rows, nll.tolist()):
+            for (s, j, tip, unsure_so_far), row, row_nll in zip(lanes, rows, nll.tolist()):
                 tree, decode = trees[s.req.request_id], s.req.decode
                 unsure = row_nll > s.confidence.nll
                 best = torch.topk(row, max(decode.tree_chains, decode.tree_width if unsure else 1)).indices.tolist()
@@ -97,11 +102,12 @@ class TreeStepper:
                     for alt in best[1 : decode.tree_width] if unsure else ():
                         tree.add(alt, tip)
                     if tip < 0:  # the other chains open with the next-best first tokens
-                        still += [[s, c, tree.add(best[c], -1)] for c in range(1, decode.tree_chains)]
+                        still += [[s, c, tree.add(best[c], -1), 0] for c in range(1, decode.tree_chains)]
                 s.stats.draft_calls += 1
-                still.append([s, j, new_tip])
-            lanes = [[s, j, tip] for s, j, tip in still
-                     if trees[s.req.request_id].depth[tip] < min(s.req.decode.gamma, budgets[s.req.request_id])]
+                if unsure_so_far + unsure < BRANCH_POINTS:
+                    still.append([s, j, new_tip, unsure_so_far + unsure])
+            lanes = [lane for lane in still if trees[lane[0].req.request_id].depth[lane[2]]
+                     < min(lane[0].req.decode.gamma, budgets[lane[0].req.request_id])]
 
     @staticmethod
     def _lane_id(request_id: Hashable, chain: int) -> Hashable:
