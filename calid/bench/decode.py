@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from calid.bench.data import humaneval, humaneval_prompts, mtbench_questions
-from calid.bench.report import write_report
+from calid.bench.report import parse_numbers, write_report
 from calid.bench.side_by_side import Prompt, run_configs, tabulate
 from calid.decoding.modes import DecodeParams
 
@@ -47,23 +47,15 @@ def configs(args) -> list[tuple[str, DecodeParams | None]]:
     out = [("ar (target only)", DecodeParams(mode="ar")),
            ("speculative gamma=4", DecodeParams(mode="speculative", gamma=4, threshold=0.0)),
            ("speculative dynamic gamma<=8 t=0.4", DecodeParams(mode="speculative", gamma=8, threshold=0.4))]
-    for t in _floats(args.filter_thresholds):
+    for t in parse_numbers(args.filter_thresholds):
         out.append((f"filter t={t:g}", DecodeParams(mode="filter", gamma=8, threshold=t)))
-    for r in _floats(args.rollback_nlls):
+    for r in parse_numbers(args.rollback_nlls):
         out.append((f"rollback t=0.4 nll>{r:g}", DecodeParams(mode="rollback", gamma=8, threshold=0.4, rollback_nll=r)))
     out.append(("draft only (filter t=0)", DecodeParams(mode="filter", gamma=8, threshold=0.0)))
     if not args.no_hf:
         out.append((HF_ASSISTED, None))
     return out
 
-
-def _floats(text: str) -> list[float]:
-    from calid.errors import CalidError
-
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise CalidError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def run(args) -> int:

@@ -5,6 +5,16 @@ import json
 from pathlib import Path
 
 
+def parse_numbers(text: str, kind=float) -> list:
+    """'0.4,0.7' -> [0.4, 0.7] for a CLI option; a clear error otherwise."""
+    from calid.errors import CalidError
+
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CalidError(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from calid.bench import data
-from calid.bench.report import write_report
+from calid.bench.report import parse_numbers, write_report
 from calid.bench.side_by_side import Prompt, run_configs, tabulate
 from calid.decoding.modes import DecodeParams
 
@@ -50,14 +50,6 @@ def add_parsers(sub) -> None:
     tr.add_argument("--out", default="bench_results")
     tr.set_defaults(func=run_tree)
 
-
-def _ints(text: str) -> list[int]:
-    from calid.errors import CalidError
-
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise CalidError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _summary_prompts(tok, n: int, doc_tokens: int, max_new: int) -> list[Prompt]:
@@ -98,7 +90,7 @@ def run_lookahead(args) -> int:
     from calid.engine import Engine
     from calid.models.loader import load_model
 
-    lengths = _ints(args.lengths)
+    lengths = parse_numbers(args.lengths, int)
     n_sum, n_code, n_mt, max_new = (20, 20, 20, 128) if args.full else (args.summaries, args.code, args.mtbench,
                                                                          args.max_new_tokens)
     target = load_model(args.target)

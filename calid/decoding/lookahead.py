@@ -52,6 +52,7 @@ class LookaheadTrie:
         self.cfg = config
         self.root = _Node()
         self.size = 0
+        self.owned = 0  # nodes some live prompt owns (never pruned)
         self._prompts: dict[Hashable, list[int]] = {}
 
     # ---- insertion ------------------------------------------------------------
@@ -63,8 +64,10 @@ class LookaheadTrie:
             if child is None:
                 child = node.children[token] = _Node()
                 self.size += 1
+            was_owned = child.owners > 0
             child.freq += weight
             child.owners += own
+            self.owned += (child.owners > 0) - was_owned
             node = child
 
     def _windows(self, ids: list[int], starts) -> list[list[int]]:
@@ -106,7 +109,7 @@ class LookaheadTrie:
 
     def prune(self) -> None:
         """Remove the least frequent unowned leaves until the trie fits its capacity."""
-        while self.size > self.cfg.capacity:
+        while self.size > self.cfg.capacity and self.size > self.owned:
             leaves = []
             stack = [(self.root, None, None)]
             while stack:

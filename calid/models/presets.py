@@ -27,10 +27,6 @@ class Preset:
     gguf_sha256: str
     license: str
 
-    @property
-    def download_bytes(self) -> int:
-        return self.gguf_size
-
 
 def _split(prefix: str, version: str, count: int) -> tuple[WheelPart, ...]:
     return tuple(

@@ -63,6 +63,9 @@ class KVCache:
         Used after tree verification: the accepted path's K/V move down next to
         the prefix, rejected branches are dropped.
         """
+        if rows == list(range(start, start + len(rows))):  # already packed: nothing to move
+            self.truncate(start + len(rows))
+            return
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         for layer in range(self.num_layers):
             self.k[layer][:, start : start + len(rows)] = self.k[layer].index_select(1, idx)

@@ -7,7 +7,7 @@ sequences at once and returns the logits the caller asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable
 
 import torch
@@ -38,7 +38,6 @@ class RunnerStats:
     forwards: int = 0
     tokens: int = 0
     recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
-    sequences: int = field(default=0)
 
 
 class ModelRunner:

@@ -62,3 +62,13 @@ def test_store_without_budget_keeps_everything():
         store.get(i)
     store.enforce_budget(pinned=set())
     assert len(store) == 10
+
+
+def test_keep_of_rows_already_in_place_just_truncates():
+    c = make()
+    fill(c, [1, 2, 10, 11, 12])
+    c.keep([2, 3], start=2)
+    assert c.tokens == [1, 2, 10, 11]
+    assert c.view(0, 4)[0][0, :, 0].tolist() == [1, 2, 10, 11]
+    c.keep([], start=2)
+    assert c.tokens == [1, 2]

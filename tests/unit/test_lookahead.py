@@ -57,3 +57,15 @@ def test_parallel_branches_are_side_by_side():
     t.put_prompt("r", [1, 2, 3, 1, 2, 4])
     tree = t.retrieve([1])
     assert [tree.tokens[i] for i in tree.children(-1)] == [2, 2]  # not merged at the root
+
+
+def test_owned_node_count_follows_live_prompts():
+    t = trie()
+    t.put_prompt("a", [1, 2, 3, 4])
+    t.put_prompt("b", [1, 2, 5])
+    assert 0 < t.owned == t.size
+    t.put_output([9, 8, 7, 6, 5], new=5)  # output n-grams are not owned
+    assert t.owned < t.size
+    t.eliminate("a")
+    t.eliminate("b")
+    assert t.owned == 0

@@ -30,3 +30,15 @@ def test_hanging_code_times_out_as_a_failure(monkeypatch):
 
     monkeypatch.setattr(q, "EXEC_TIMEOUT_S", 1.0)
     assert not passes_humaneval("```python\ndef add(a, b):\n    while True: pass\n```", PROBLEM)
+
+
+def test_parse_numbers():
+    import pytest
+
+    from calid.bench.report import parse_numbers
+    from calid.errors import CalidError
+
+    assert parse_numbers("0.4, 0.7") == [0.4, 0.7]
+    assert parse_numbers("8,16", int) == [8, 16]
+    with pytest.raises(CalidError, match="comma-separated int"):
+        parse_numbers("8,x", int)
