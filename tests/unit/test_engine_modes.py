@@ -156,7 +156,7 @@ def test_lookahead_accepts_repeated_text(tiny_model):
     la = eng.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24), decode=DecodeParams(mode="lookahead"))])[0]
     assert la.output_ids == ar.output_ids
     assert la.stats.target_calls < len(la.output_ids) / 2
-    assert len(eng.trees._global._prompts) == 0  # the finished prompt was eliminated from the trie
+    assert len(eng.verifier._global._prompts) == 0  # the finished prompt was eliminated from the trie
 
 
 @pytest.mark.parametrize("chains, width", [(3, 1), (2, 2)])

@@ -1,0 +1,141 @@
+"""The request-side state machine shared by calid.Engine and the Serve router.
+
+The orchestrator owns every in-flight request (``RequestState``: token ids,
+text stream, RNG, stats) and turns one decoding step into two rounds of
+plain-data calls to model workers (calid.workers.messages):
+
+  1. ``draft_tasks``   what each request asks of the draft worker;
+  2. ``after_draft``   appends filter drafts that were confident all the way
+                       (early acceptance: no target call) and returns the
+                       verify tasks of every request that needs the target;
+  3. ``after_verify``  appends what the target accepted and produced.
+Mode ``ar`` skips step 1; ``lookahead`` drafts from the target worker's trie.
+The caller moves the tasks (a function call in-process, Ray Serve handles in
+serving) and delivers the returned StreamEvents.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Hashable
+
+from calid.decoding.modes import DecodeParams
+from calid.errors import CalidError
+from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
+from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
+
+ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
+
+
+class EngineConfigError(CalidError):
+    """Draft and target cannot work together (e.g. different vocabularies), or a mode needs a missing draft."""
+
+
+class Orchestrator:
+    def __init__(self, tokenizer, eos_ids: frozenset[int], max_position: int, has_draft: bool,
+                 default_decode: DecodeParams | None = None):
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self.max_position = max_position
+        self.has_draft = has_draft
+        self.default_decode = default_decode or DecodeParams(mode="speculative" if has_draft else "ar")
+        self.active: dict[Hashable, RequestState] = {}
+        self._ids = itertools.count()
+
+    # ---- admission ------------------------------------------------------------------
+
+    def validate(self, req: GenerationRequest) -> GenerationRequest:
+        """Fill defaults and check the request; raises InvalidRequestError / EngineConfigError."""
+        if req.request_id is None:
+            req.request_id = f"req-{next(self._ids)}"
+        if req.decode is None:
+            req.decode = self.default_decode
+        validate_request(req, self.max_position)
+        req.decode.validate()
+        if req.decode.uses_draft and not self.has_draft:
+            raise EngineConfigError(f"mode {req.decode.mode!r} needs a draft model; this deployment has none")
+        return req
+
+    def start(self, req: GenerationRequest) -> RequestState:
+        if req.request_id in self.active:
+            raise CalidError(f"request id {req.request_id!r} is already in flight")
+        s = self.active[req.request_id] = RequestState(req, self.tokenizer, self.eos_ids, time.perf_counter())
+        return s
+
+    def finish(self, request_id: Hashable) -> RequestState | None:
+        return self.active.pop(request_id, None)
+
+    def finished(self) -> list[RequestState]:
+        """Remove and return the requests that are done."""
+        done = [s for s in self.active.values() if s.finish_reason]
+        for s in done:
+            del self.active[s.req.request_id]
+        return done
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def draft_tasks(self, states: list[RequestState]) -> list[DraftTask]:
+        return [DraftTask(s.req.request_id, s.token_ids, s.req.decode, s.req.params.warp, s.confidence.nll,
+                          self._draft_budget(s), _rng(s)) for s in states if s.req.decode.uses_draft]
+
+    def after_draft(self, states: list[RequestState], results: list[DraftResult]
+                    ) -> tuple[list[StreamEvent], list[VerifyTask]]:
+        drafts = {r.request_id: r for r in results}
+        events, tasks, now = [], [], time.perf_counter()
+        for s in states:
+            d = drafts.get(s.req.request_id)
+            if d is not None:
+                s.stats.draft_calls += d.forwards
+                _set_rng(s, d.rng)
+            if d is not None and not d.needs_target:  # filter, every draft token confident: early acceptance
+                events += self._append(s, d.tokens, len(d.tokens), now)
+                continue
+            tasks.append(VerifyTask(s.req.request_id, s.token_ids, len(s.req.prompt_ids), s.req.decode,
+                                    s.req.params.warp, self._draft_budget(s), d.tokens if d else [],
+                                    d.q if d else None, d.tree if d else None, _rng(s)))
+        return events, tasks
+
+    def after_verify(self, results: list[VerifyResult]) -> list[StreamEvent]:
+        events, now = [], time.perf_counter()
+        for v in results:
+            s = self.active.get(v.request_id)
+            if s is None:  # cancelled while the target worked
+                continue
+            _set_rng(s, v.rng)
+            s.stats.target_calls += 1
+            s.stats.record_verification(v.proposed, v.accepted, v.verifying)
+            self._adapt(s, v.accepted, v.proposed)
+            events += self._append(s, v.tokens, v.accepted, now)
+        return events
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _append(self, s: RequestState, new: list[int], from_draft: int, now: float) -> list[StreamEvent]:
+        """Append ``new`` (its first ``from_draft`` tokens came from the draft) until the request finishes."""
+        events = []
+        for i, token in enumerate(new):
+            events.append(s.append(token, now, from_draft=i < from_draft, max_position=self.max_position))
+            if s.finish_reason:
+                break
+        return events
+
+    def _draft_budget(self, s: RequestState) -> int:
+        """Most draft tokens worth proposing now: the request's gamma, its remaining budget, the context."""
+        left = min(s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids))
+        spare = left if s.req.decode.mode == "filter" else left - 1  # verifying modes add a target token
+        return max(0, min(s.req.decode.gamma, spare))
+
+    @staticmethod
+    def _adapt(s: RequestState, accepted: int, proposed: int) -> None:
+        if not s.req.decode.adaptive or proposed == 0:
+            return
+        step = ADAPT_STEP if accepted < proposed else -ADAPT_STEP
+        s.set_threshold(min(0.99, max(0.0, s.threshold + step)))
+
+
+def _rng(s: RequestState):
+    return None if s.req.params.warp.greedy else s.generator.get_state()
+
+
+def _set_rng(s: RequestState, state) -> None:
+    if state is not None:
+        s.generator.set_state(state)

@@ -1,0 +1,82 @@
+"""Plain-data calls between the orchestrator (calid.orchestrator) and its model workers.
+
+One decoding step of a request is two calls:
+
+  DraftTask  -> draft worker  -> DraftResult   the draft chain (or token tree)
+  VerifyTask -> target worker -> VerifyResult  the tokens to append
+
+The orchestrator owns the request: its token ids are the source of truth and
+every task carries them in full, so a worker holds only soft state (KV caches
+keyed by request id, the Lookahead trie) and any worker can serve any task,
+recomputing on a cache miss. A sampled request's random generator state
+travels with its tasks for the same reason. The same messages cross a Ray
+Serve handle unchanged (serve_app) or a plain function call (calid.Engine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from calid.decoding.modes import DecodeParams
+from calid.decoding.sampling import Warp
+from calid.decoding.tree import TokenTree
+
+
+@dataclass
+class DraftTask:
+    request_id: Hashable
+    token_ids: list[int]  # committed ids: prompt + output so far
+    decode: DecodeParams
+    warp: Warp
+    confidence_nll: float  # a draft step is confident when its top-1 NLL <= this
+    budget: int  # most draft tokens worth proposing now (0: draft nothing)
+    rng: torch.Tensor | None = None  # generator state of a sampled request
+
+
+@dataclass
+class DraftResult:
+    request_id: Hashable
+    tokens: list[int]  # the draft chain (empty for a tree)
+    q: torch.Tensor | None  # [len(tokens), V] warped draft rows; None when greedy (one-hot)
+    needs_target: bool  # filter: False when every draft token was confident (early acceptance)
+    tree: TokenTree | None = None  # tree mode
+    forwards: int = 0  # draft forwards this request took part in
+    rng: torch.Tensor | None = None
+
+
+@dataclass
+class VerifyTask:
+    request_id: Hashable
+    token_ids: list[int]  # committed ids
+    prompt_len: int  # lookahead: how many of token_ids are the prompt
+    decode: DecodeParams
+    warp: Warp
+    budget: int  # lookahead: most tree nodes worth proposing
+    draft: list[int]  # chain modes: the draft tokens to verify
+    q: torch.Tensor | None = None
+    tree: TokenTree | None = None  # tree mode; lookahead trees come from the worker's trie
+    rng: torch.Tensor | None = None
+
+
+@dataclass
+class VerifyResult:
+    request_id: Hashable
+    tokens: list[int]  # accepted draft tokens, then the target's next token
+    accepted: int  # how many of ``tokens`` came from the draft
+    proposed: int  # draft tokens offered (chain length, or tree depth)
+    verifying: bool  # the target judged draft tokens (False for filter / ar)
+    rng: torch.Tensor | None = None
+
+
+def load_generator(state: torch.Tensor | None) -> torch.Generator | None:
+    if state is None:
+        return None
+    g = torch.Generator()
+    g.set_state(state)
+    return g
+
+
+def save_generator(g: torch.Generator | None) -> torch.Tensor | None:
+    return None if g is None else g.get_state()

@@ -1,0 +1,128 @@
+"""The target worker: verifies many requests' drafts in one batched target forward.
+
+Each task's committed ids are synced against its KV cache (longest common
+prefix reused, the rest recomputed), then its draft is fed after them:
+  chain   the draft tokens, causal; logits at every draft position and one after
+          (speculative, rollback) or only after the last one (filter, ar);
+  tree    the tree's nodes under its ancestor mask at tree positions; the cache
+          is compacted to the accepted branch afterwards, so it stays a sequence.
+The acceptance rule (calid.decoding.acceptance, or tree verification) decides
+what to append. Lookahead trees come from the worker's own trie of prompt and
+output n-grams (shared across requests, or one per request).
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from calid.decoding.acceptance import RuleInput, get_rule
+from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
+from calid.decoding.sampling import warp
+from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled
+from calid.runtime.runner import ModelRunner, SeqInput
+from calid.workers.messages import VerifyResult, VerifyTask, load_generator, save_generator
+
+
+class TargetWorker:
+    def __init__(self, runner: ModelRunner, lookahead: LookaheadConfig | None = None, shared_trie: bool = True):
+        self.runner = runner
+        self.lookahead_cfg = lookahead or LookaheadConfig()
+        self.shared_trie = shared_trie
+        self._global = LookaheadTrie(self.lookahead_cfg)
+        self._tries: dict[Hashable, LookaheadTrie] = {}
+        self._trie_seen: dict[Hashable, int] = {}  # ids of a request already in its trie
+
+    # ---- lookahead trie lifecycle ------------------------------------------------
+
+    def trie(self, request_id: Hashable) -> LookaheadTrie:
+        if self.shared_trie:
+            return self._global
+        return self._tries.setdefault(request_id, LookaheadTrie(self.lookahead_cfg))
+
+    def _feed_trie(self, t: VerifyTask) -> None:
+        """Insert what the trie has not seen of this request: its prompt once, then new output."""
+        trie, seen = self.trie(t.request_id), self._trie_seen.get(t.request_id)
+        if seen is None:
+            trie.put_prompt(t.request_id, t.token_ids[: t.prompt_len])
+            seen = t.prompt_len
+        if len(t.token_ids) > seen:
+            trie.put_output(t.token_ids, len(t.token_ids) - seen)
+        self._trie_seen[t.request_id] = len(t.token_ids)
+
+    def release(self, request_ids: list[Hashable], final_ids: dict[Hashable, list[int]] | None = None) -> None:
+        """Free finished requests. Their prompts leave the shared trie; their output (``final_ids``) stays."""
+        for rid in request_ids:
+            self.runner.release(rid)
+            seen = self._trie_seen.pop(rid, None)
+            if seen is None:
+                continue
+            ids = (final_ids or {}).get(rid)
+            if self.shared_trie:
+                if ids is not None and len(ids) > seen:
+                    self._global.put_output(ids, len(ids) - seen)
+                self._global.eliminate(rid)
+            else:
+                self._tries.pop(rid, None)
+
+    # ---- one batched verification --------------------------------------------------
+
+    def verify(self, tasks: list[VerifyTask]) -> list[VerifyResult]:
+        if not tasks:
+            return []
+        trees = {}
+        for t in tasks:
+            if t.decode.mode == "lookahead":
+                self._feed_trie(t)
+                trees[t.request_id] = (self.trie(t.request_id).retrieve(t.token_ids, budget=min(t.budget, t.decode.gamma))
+                                       if t.budget > 0 else TokenTree())
+            elif t.decode.is_tree:
+                trees[t.request_id] = t.tree or TokenTree()
+        inputs = [self._tree_input(t, trees[t.request_id]) if t.request_id in trees else self._chain_input(t)
+                  for t in tasks]
+        out = self.runner.forward(inputs)
+        return [self._tree_verdict(t, trees[t.request_id], rows) if t.request_id in trees
+                else self._chain_verdict(t, rows) for t, rows in zip(tasks, out)]
+
+    def _chain_input(self, t: VerifyTask) -> SeqInput:
+        g, committed = len(t.draft), t.token_ids
+        suffix = self.runner.sync(t.request_id, committed + t.draft, keep_at_most=len(committed) - 1)
+        n = len(suffix)
+        all_rows = t.decode.mode in ("speculative", "rollback")
+        return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)) if all_rows else [n - 1])
+
+    def _chain_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
+        generator = load_generator(t.rng)
+        draft = torch.tensor(t.draft, dtype=torch.long)
+        target_nll = None
+        if t.decode.mode == "rollback" and t.draft:
+            target_nll = -torch.log_softmax(rows[:-1].float(), -1).gather(1, draft[:, None]).squeeze(1)
+        q = t.q
+        if q is None and t.decode.mode == "speculative" and t.draft:  # greedy draft: one-hot rows
+            q = torch.zeros(len(t.draft), rows.shape[-1]).scatter_(1, draft[:, None], 1.0)
+        rule = get_rule("filter" if t.decode.mode == "ar" else t.decode.mode)
+        v = rule(RuleInput(draft=draft, q=q, p=warp(rows, t.warp), generator=generator,
+                           target_nll=target_nll, rollback_nll=t.decode.rollback_nll))
+        verifying = t.decode.mode in ("speculative", "rollback")
+        return VerifyResult(t.request_id, t.draft[: v.accepted] + [v.next_token], v.accepted, len(t.draft),
+                            verifying, save_generator(generator))
+
+    def _tree_input(self, t: VerifyTask, tree: TokenTree) -> SeqInput:
+        committed = t.token_ids
+        suffix = self.runner.sync(t.request_id, committed + tree.tokens, keep_at_most=len(committed) - 1)
+        c = len(suffix) - len(tree)  # committed tokens fed again, the root last
+        start = len(committed) - c
+        positions = list(range(start, len(committed))) + [len(committed) - 1 + d for d in tree.depth]
+        return SeqInput(t.request_id, committed[start:] + tree.tokens, positions=positions,
+                        ancestors=tree.block_mask(c), logits_at=list(range(c - 1, c + len(tree))))
+
+    def _tree_verdict(self, t: VerifyTask, tree: TokenTree, rows: torch.Tensor) -> VerifyResult:
+        generator = load_generator(t.rng)
+        if t.warp.greedy:
+            verdict = verify_greedy(tree, rows.argmax(-1).tolist())
+        else:
+            verdict = verify_sampled(tree, warp(rows, t.warp), generator)
+        committed = len(t.token_ids)
+        self.runner.compact(t.request_id, [committed + i for i in verdict.path], start=committed)
+        tokens = [tree.tokens[i] for i in verdict.path] + [verdict.next_token]
+        return VerifyResult(t.request_id, tokens, len(verdict.path), tree.max_depth, True, save_generator(generator))
