@@ -1,4 +1,4 @@
-"""The ``calid`` command line: models, generate, bench.
+"""The ``calid`` command line: models, generate, serve, client, demo, bench.
 
 Errors a user can fix print one line (``calid: error: ...``) and exit 2.
 """
@@ -45,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from calid.client.cli import add_parser as add_client_parser
+
+    add_client_parser(sub)
+    for name, help_text in (("serve", "start an embedded local Ray and serve the calid app over gRPC"),
+                            ("demo", "start the server, stream real prompts in several modes through the SDK, stop")):
+        p = sub.add_parser(name, help=help_text)
+        _server_cli().add_server_args(p)
+        if name == "demo":
+            p.add_argument("--max-new-tokens", type=int, default=64)
+        p.set_defaults(func=lambda args, n=name: getattr(_server_cli(), f"cmd_{n}")(args))
+
     bench = sub.add_parser("bench", help="side-by-side benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     from calid.bench import ar as bench_ar
@@ -54,7 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ar.add_parser(bsub)
     bench_decode.add_parser(bsub)
     bench_trees.add_parsers(bsub)
+    _server_cli_module("serve_app.bench").add_parser(bsub)
     return parser
+
+
+def _server_cli():
+    """The serving commands live with the Ray code (serve_app); calid itself never imports ray."""
+    return _server_cli_module("serve_app.cli")
+
+
+def _server_cli_module(name: str):
+    import importlib
+
+    return importlib.import_module(name)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -97,14 +120,11 @@ def build_engine(target_lm, draft_spec: str | None, dtype: str, device: str, max
     """Engine over a loaded target and an optional draft (a model spec, or self:N)."""
     from calid.engine import Engine
     from calid.models.loader import load_model
-    from calid.models.self_draft import self_draft
+    from calid.models.self_draft import parse_self_draft, self_draft
     from calid.runtime.runner import ModelRunner
 
-    if draft_spec and draft_spec.startswith("self:"):
-        try:
-            layers = int(draft_spec[5:])
-        except ValueError:
-            raise CalidError(f"--draft self:N needs an integer N, got {draft_spec!r}") from None
+    layers = parse_self_draft(draft_spec) if draft_spec else None
+    if layers is not None:
         draft = ModelRunner(self_draft(target_lm.model, layers))
         return Engine(ModelRunner(target_lm.model), target_lm.tokenizer, target_lm.eos_ids, draft=draft,
                       max_batch=max_batch)

@@ -1,0 +1,188 @@
+"""The clients. Request building and response decoding are shared; transport is grpc or grpc.aio."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from calid.client.errors import from_rpc_error
+from calid.v1 import calid_pb2 as pb
+from calid.v1 import calid_pb2_grpc as pb_grpc
+
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Chunk:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str = ""  # set on the last chunk
+    stats: dict = field(default_factory=dict)  # set on the last chunk
+
+
+def _stats(msg) -> dict:
+    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def build_request(prompt: str | None = None, messages: list[dict] | None = None, *, request_id: str | None = None,
+                  max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                  top_k: int | None = None, seed: int | None = None, stop: list[str] | None = None,
+                  mode: str = "", threshold: float | None = None, gamma: int | None = None,
+                  raw_prompt: bool = False, ignore_eos: bool = False) -> pb.GenerateRequest:
+    msg = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt or "", mode=mode,
+                             raw_prompt=raw_prompt, ignore_eos=ignore_eos, stop=list(stop or []))
+    for m in messages or []:
+        msg.messages.add(role=m["role"], content=m["content"])
+    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed), ("threshold", threshold), ("gamma", gamma)):
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def _completion(resp: pb.GenerateResponse) -> Completion:
+    return Completion(resp.request_id, resp.text, list(resp.token_ids), resp.finish_reason, _stats(resp.stats))
+
+
+def _chunk(c: pb.GenerateChunk) -> Chunk:
+    return Chunk(c.request_id, c.text, list(c.token_ids), c.finish_reason,
+                 _stats(c.stats) if c.finish_reason else {})
+
+
+class _Base:
+    def __init__(self, address: str = "127.0.0.1:50051", app: str = "calid", timeout: float | None = 600.0,
+                 retries: int = 3, backoff_s: float = 0.2):
+        self.address, self.app = address, app
+        self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
+
+    def _metadata(self, request_id: str | None = None) -> tuple:
+        md = (("application", self.app),)
+        return md + ((("request_id", request_id),) if request_id else ())
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+class Client(_Base):
+    """Blocking client."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", **kw):
+        super().__init__(address, **kw)
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.CalidStub(self._channel)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _unary(self, method, msg, timeout: float | None, request_id: str | None = None):
+        for attempt in range(self.retries + 1):
+            try:
+                return method(msg, timeout=self._deadline(timeout), metadata=self._metadata(request_id))
+            except grpc.RpcError as e:
+                if e.code() not in RETRY_CODES or attempt == self.retries:
+                    raise from_rpc_error(e, request_id) from None
+                time.sleep(self.backoff_s * 2**attempt)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
+        msg = build_request(prompt, **kw)
+        return _completion(self._unary(self._stub.Generate, msg, timeout, msg.request_id))
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
+        msg = build_request(prompt, **kw)
+        for attempt in range(self.retries + 1):
+            call = self._stub.GenerateStream(msg, timeout=self._deadline(timeout),
+                                             metadata=self._metadata(msg.request_id))
+            started = False
+            try:
+                for c in call:
+                    started = True
+                    yield _chunk(c)
+                return
+            except grpc.RpcError as e:
+                if started or e.code() not in RETRY_CODES or attempt == self.retries:
+                    raise from_rpc_error(e, msg.request_id) from None
+                time.sleep(self.backoff_s * 2**attempt)
+            finally:
+                call.cancel()  # a consumer that stops early tells the server to free the request
+
+    def health(self, timeout: float | None = 10.0) -> pb.HealthResponse:
+        return self._unary(self._stub.Health, pb.HealthRequest(), timeout)
+
+    def list_models(self, timeout: float | None = 10.0) -> pb.ListModelsResponse:
+        return self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout)
+
+
+class AsyncClient(_Base):
+    """asyncio client (grpc.aio); create it inside a running event loop."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", **kw):
+        super().__init__(address, **kw)
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.CalidStub(self._channel)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _unary(self, method, msg, timeout: float | None, request_id: str | None = None):
+        for attempt in range(self.retries + 1):
+            try:
+                return await method(msg, timeout=self._deadline(timeout), metadata=self._metadata(request_id))
+            except grpc.RpcError as e:
+                if e.code() not in RETRY_CODES or attempt == self.retries:
+                    raise from_rpc_error(e, request_id) from None
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
+        msg = build_request(prompt, **kw)
+        return _completion(await self._unary(self._stub.Generate, msg, timeout, msg.request_id))
+
+    async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[Chunk]:
+        msg = build_request(prompt, **kw)
+        for attempt in range(self.retries + 1):
+            call = self._stub.GenerateStream(msg, timeout=self._deadline(timeout),
+                                             metadata=self._metadata(msg.request_id))
+            started = False
+            try:
+                async for c in call:
+                    started = True
+                    yield _chunk(c)
+                return
+            except grpc.RpcError as e:
+                if started or e.code() not in RETRY_CODES or attempt == self.retries:
+                    raise from_rpc_error(e, msg.request_id) from None
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+            finally:
+                call.cancel()
+
+    async def health(self, timeout: float | None = 10.0) -> pb.HealthResponse:
+        return await self._unary(self._stub.Health, pb.HealthRequest(), timeout)
+
+    async def list_models(self, timeout: float | None = 10.0) -> pb.ListModelsResponse:
+        return await self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout)

@@ -1,0 +1,145 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "messages", "raw_prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "mode", "threshold", "gamma")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    raw_prompt: bool
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    mode: str
+    threshold: float
+    gamma: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[str] = ..., threshold: _Optional[float] = ..., gamma: _Optional[int] = ...) -> None: ...
+
+class RequestStats(_message.Message):
+    __slots__ = ("prompt_tokens", "output_tokens", "draft_tokens", "target_tokens", "filtered_fraction", "target_calls", "draft_forwards", "mean_accepted", "ttft_ms", "total_ms", "tokens_per_s", "mode")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FILTERED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_CALLS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    output_tokens: int
+    draft_tokens: int
+    target_tokens: int
+    filtered_fraction: float
+    target_calls: int
+    draft_forwards: int
+    mean_accepted: float
+    ttft_ms: float
+    total_ms: float
+    tokens_per_s: float
+    mode: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., target_tokens: _Optional[int] = ..., filtered_fraction: _Optional[float] = ..., target_calls: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., mean_accepted: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    stats: RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    stats: RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("serving", "active_requests", "queued_requests", "queue_capacity")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    active_requests: int
+    queued_requests: int
+    queue_capacity: int
+    def __init__(self, serving: _Optional[bool] = ..., active_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("role", "name", "vocab_size", "max_position")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    name: str
+    vocab_size: int
+    max_position: int
+    def __init__(self, role: _Optional[str] = ..., name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models", "modes", "default_mode")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    MODES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    modes: _containers.RepeatedScalarFieldContainer[str]
+    default_mode: str
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., modes: _Optional[_Iterable[str]] = ..., default_mode: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,52 @@
+"""``build_app(config)``: the calid Serve application (router -> draft, target).
+
+    serve run serve_app.app:build_app target=... draft=...
+    serve deploy serve_app/calid.yaml      (import_path: serve_app.app:build_app)
+
+The config is validated here, at the edge: fields (AppConfig), the model pair
+(shared vocabulary) and, when Ray is up, the cluster's resources.
+"""
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from serve_app.autoscaling import autoscaling_config
+from serve_app.config import AppConfig, check_models, check_resources, load_config
+from serve_app.router import Router
+from serve_app.workers import DraftDeployment, TargetDeployment
+
+SERVICER = "calid.v1.calid_pb2_grpc.add_CalidServicer_to_server"
+
+
+def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
+    cfg = load_config(args)
+    check_models(cfg)
+    if check_cluster:
+        import ray
+
+        if ray.is_initialized():
+            check_resources(cfg, ray.cluster_resources())
+    config = cfg.model_dump()
+    target = TargetDeployment.options(
+        ray_actor_options={"num_cpus": cfg.target_num_cpus, "num_gpus": cfg.target_num_gpus,
+                           "resources": cfg.target_resources},
+        autoscaling_config=autoscaling_config(cfg.target_scaling),
+    ).bind(config)
+    draft = None
+    if cfg.draft is not None:
+        draft = DraftDeployment.options(
+            ray_actor_options={"num_cpus": cfg.draft_num_cpus, "resources": cfg.draft_resources},
+            autoscaling_config=autoscaling_config(cfg.draft_scaling),
+        ).bind(config)
+    return Router.options(ray_actor_options={"num_cpus": cfg.router_num_cpus}).bind(config, draft, target)
+
+
+def grpc_options(port: int) -> gRPCOptions:
+    return gRPCOptions(port=port, grpc_servicer_functions=[SERVICER])
+
+
+def start(cfg: AppConfig, blocking: bool = False):
+    """Start Serve's gRPC proxy on ``cfg.grpc_port`` (loopback Ray assumed up) and run the app."""
+    serve.start(grpc_options=grpc_options(cfg.grpc_port), http_options={"host": "127.0.0.1", "port": 0})
+    return serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}", blocking=blocking)

@@ -1,0 +1,152 @@
+"""``calid bench serve``: the same prompts through gRPC + Ray Serve vs the in-process engine.
+
+Side by side in one run, same models, same greedy settings, fixed output
+length (EOS ignored):
+  concurrency 1   one request at a time, alternating the two paths; per request
+                  the serving overhead = gRPC latency - in-process latency, split
+                  into ingress (client latency - the router's own request time:
+                  gRPC proxy, admission, response) and worker calls (the rest,
+                  spread over the request's decoding steps);
+  concurrency C   C requests at once through the SDK vs one engine batch of C.
+"""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+COLUMNS = ["mode", "concurrency", "requests", "tokens", "grpc_tok_s", "inproc_tok_s", "ratio", "overhead_ms_p50",
+           "ingress_ms_p50", "per_step_ms_p50", "same_tokens", "limit_tok_s"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="gRPC + Ray Serve vs the in-process engine (overhead, throughput per mode)")
+    p.add_argument("--qwen", action="store_true", help="the Qwen 1.5B/0.5B pair instead of SmolLM2 + self:16")
+    p.add_argument("--modes", default="ar,speculative,filter", help="comma-separated modes")
+    p.add_argument("--requests", type=int, default=6, help="requests per mode at concurrency 1 (default 6)")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--full", action="store_true", help="20 requests per mode, 64 new tokens")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--out", default="bench_results")
+    p.set_defaults(func=run)
+
+
+def _p50(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run(args) -> int:
+    from calid.bench.data import humaneval_prompts
+    from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
+    from calid.bench.report import write_report
+    from calid.client import AsyncClient, Client
+    from calid.decoding.modes import MODES, DecodeParams
+    from calid.engine import Engine
+    from calid.errors import CalidError
+    from calid.generation import GenerationRequest, SamplingParams
+    from calid.models.loader import load_model
+    from calid.models.self_draft import load_draft
+    from calid.progress import progress
+    from calid.runtime.runner import ModelRunner
+    from calid.text import encode_prompt
+    from serve_app.config import AppConfig
+    from serve_app.local import serve_app, shutdown
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise CalidError(f"--modes must be a comma-separated subset of {', '.join(MODES)}, got {args.modes!r}")
+    n, new = (20, 64) if args.full else (args.requests, args.max_new_tokens)
+    if n < 1 or new < 1 or args.concurrency < 1:
+        raise CalidError("--requests, --max-new-tokens and --concurrency must be >= 1")
+    cfg = AppConfig(grpc_port=args.port, max_active=args.concurrency) if args.qwen else \
+        AppConfig.small(grpc_port=args.port, max_active=args.concurrency)
+    target = load_model(cfg.target, show_progress=True)
+    draft = load_draft(cfg.draft, cfg.target, show_progress=True)
+    engine = Engine(ModelRunner(target.model), target.tokenizer, target.eos_ids, draft=ModelRunner(draft.model),
+                    max_batch=args.concurrency)
+    texts = humaneval_prompts(max(n, args.concurrency))
+    ids = [encode_prompt(target.tokenizer, t) for t in texts]
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    print(f"bench serve: target {cfg.target}, draft {cfg.draft}; modes {modes}; {n} requests at concurrency 1, "
+          f"{args.concurrency} at once; {new} new tokens (EOS ignored), greedy", file=sys.stderr)
+    bandwidth = memory_bandwidth_gbs()
+    limit1 = decode_limit_tok_s(bandwidth, target.decode_read_bytes)
+    serve_app(cfg, dashboard=False)
+    rows = []
+    try:
+        address = f"127.0.0.1:{cfg.grpc_port}"
+        with Client(address, app=cfg.app_name, timeout=1800) as c, \
+                progress(len(modes) * (2 * n + 2), "bench serve", "run") as bar:
+            c.generate(texts[0], max_new_tokens=4, raw_prompt=False)  # warm-up both paths
+            engine.generate([GenerationRequest(ids[0], SamplingParams(max_new_tokens=4))])
+            for mode in modes:
+                decode = DecodeParams(mode=mode)
+                over, ingress, per_step, same, t_grpc, t_local = [], [], [], 0, 0.0, 0.0
+                for i in range(n):
+                    def local():
+                        t = time.perf_counter()
+                        r = engine.generate([GenerationRequest(ids[i], params, decode=decode)])[0]
+                        return time.perf_counter() - t, r
+
+                    def remote():
+                        t = time.perf_counter()
+                        r = c.generate(texts[i], max_new_tokens=new, ignore_eos=True, mode=mode)
+                        return time.perf_counter() - t, r
+
+                    if i % 2:
+                        (lt, lr), (gt, gr) = local(), remote()
+                    else:
+                        (gt, gr), (lt, lr) = remote(), local()
+                    bar.update(2)
+                    t_grpc, t_local = t_grpc + gt, t_local + lt
+                    same += gr.token_ids == lr.output_ids
+                    steps = max(1, lr.stats.target_calls + (lr.stats.draft_tokens if mode == "filter" else 0))
+                    over.append((gt - lt) * 1000)
+                    ingress.append(gt * 1000 - gr.stats["total_ms"])
+                    per_step.append((gr.stats["total_ms"] - lt * 1000) / steps)
+                rows.append({"mode": mode, "concurrency": 1, "requests": n, "tokens": n * new,
+                             "grpc_tok_s": n * new / t_grpc, "inproc_tok_s": n * new / t_local,
+                             "ratio": t_local / t_grpc, "overhead_ms_p50": _p50(over), "ingress_ms_p50": _p50(ingress),
+                             "per_step_ms_p50": _p50(per_step), "same_tokens": f"{same}/{n}", "limit_tok_s": limit1})
+                batch = ids[: args.concurrency]
+                t = time.perf_counter()
+                local_out = engine.generate([GenerationRequest(b, params, decode=decode) for b in batch])
+                t_local = time.perf_counter() - t
+                bar.update(1)
+
+                async def burst():
+                    async with AsyncClient(address, app=cfg.app_name, timeout=1800) as ac:
+                        return await asyncio.gather(*[ac.generate(p, max_new_tokens=new, ignore_eos=True, mode=mode)
+                                                      for p in texts[: args.concurrency]])
+                t = time.perf_counter()
+                remote_out = asyncio.run(burst())
+                t_grpc = time.perf_counter() - t
+                bar.update(1)
+                k = args.concurrency
+                rows.append({"mode": mode, "concurrency": k, "requests": k, "tokens": k * new,
+                             "grpc_tok_s": k * new / t_grpc, "inproc_tok_s": k * new / t_local, "ratio": t_local / t_grpc,
+                             "overhead_ms_p50": (t_grpc - t_local) * 1000, "ingress_ms_p50": "-", "per_step_ms_p50": "-",
+                             "same_tokens": f"{sum(r.token_ids == o.output_ids for r, o in zip(remote_out, local_out))}/{k}",
+                             "limit_tok_s": k * limit1})
+    finally:
+        shutdown()
+    meta = {"target": cfg.target, "draft": cfg.draft, "new_tokens": new, "bandwidth_GBps": round(bandwidth, 1),
+            "target_weight_bytes_per_step": target.decode_read_bytes}
+    notes = [
+        "ratio = in-process time / gRPC time (1.0 = serving costs nothing; < 1 = serving is slower)",
+        "overhead_ms_p50 = per-request gRPC latency - in-process latency (concurrency C: whole burst)",
+        "ingress_ms_p50 = client latency - the router's own request time (gRPC proxy, admission, response)",
+        "per_step_ms_p50 = (router time - in-process time) / decoding steps: the cost of the draft and target calls",
+        f"limit = bandwidth {bandwidth:.1f} GB/s / target weight bytes per step {target.decode_read_bytes / 1e9:.2f} GB "
+        "(x concurrency for a batch that reads the weights once per step)",
+        "same_tokens counts greedy outputs identical token for token on both paths",
+    ]
+    js, md = write_report(Path(args.out), f"serve-{'qwen' if args.qwen else 'small'}",
+                          "calid over gRPC + Ray Serve vs in-process", meta, rows, COLUMNS, notes)
+    print(md.read_text())
+    print(f"wrote {js} and {md}", file=sys.stderr)
+    return 0

@@ -1,0 +1,113 @@
+"""``calid serve`` and ``calid demo``: the Serve app on an embedded, loopback-only Ray."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from serve_app.config import AppConfig, ConfigError
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--small", action="store_true",
+                   help="SmolLM2-135M target with its first 16 layers as draft (fast to load)")
+    p.add_argument("--target", default=None, help="target model spec (default: the Qwen 1.5B preset)")
+    p.add_argument("--draft", default=None, help="draft model spec, self:N, or none")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port on 127.0.0.1 (default 50051)")
+    p.add_argument("--max-active", type=int, default=16, help="requests decoded at once (default 16)")
+    p.add_argument("--queue-capacity", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+
+
+def config_from_args(args) -> AppConfig:
+    overrides = {"grpc_port": args.port, "max_active": args.max_active, "queue_capacity": args.queue_capacity}
+    if args.target:
+        overrides["target"] = args.target
+    if args.draft:
+        overrides["draft"] = None if args.draft == "none" else args.draft
+    try:
+        return AppConfig.small(**overrides) if args.small else AppConfig(**overrides)
+    except ValueError as e:
+        raise ConfigError(f"invalid server options: {e}") from None
+
+
+def cmd_serve(args) -> int:
+    from serve_app.local import serve_app, shutdown
+
+    cfg = config_from_args(args)
+    print(f"[calid] starting Ray and the calid app (target {cfg.target}, draft {cfg.draft}) ...", file=sys.stderr)
+    try:
+        url = serve_app(cfg, dashboard=not args.no_dashboard)
+        print(f"[calid] serving gRPC on 127.0.0.1:{cfg.grpc_port} (app {cfg.app_name})", file=sys.stderr)
+        if url:
+            print(f"[calid] Ray dashboard: {url}  (Serve tab: replicas; Metrics tab: calid panels)", file=sys.stderr)
+        print(f'[calid] try: calid client "Write a haiku about caches" --address 127.0.0.1:{cfg.grpc_port}; '
+              "Ctrl-C stops", file=sys.stderr)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("[calid] shutting down", file=sys.stderr)
+    finally:
+        shutdown()
+    return 0
+
+
+DEMO_REQUESTS = [
+    ("ar", "Write a Python function that returns the n-th Fibonacci number."),
+    ("speculative", "Write a Python function that returns the n-th Fibonacci number."),
+    ("filter", "Explain in two sentences what a KV cache is in a transformer."),
+    ("lookahead", "Rewrite this sentence in plural: The cat sat on the mat and the cat slept."),
+    ("tree", "List three uses of a hash map."),
+]
+
+
+async def _demo_requests(address: str, app: str, max_new_tokens: int) -> list[tuple[str, str, dict]]:
+    from calid.client import AsyncClient
+
+    async def one(c, i, mode, prompt):
+        text, line, stats = [], "", {}
+        async for chunk in c.stream(prompt, mode=mode, max_new_tokens=max_new_tokens):
+            text.append(chunk.text)
+            line += chunk.text
+            while "\n" in line:
+                head, line = line.split("\n", 1)
+                print(f"  [{i}:{mode:11}] {head}", flush=True)
+            stats = chunk.stats or stats
+        if line:
+            print(f"  [{i}:{mode:11}] {line}", flush=True)
+        return mode, "".join(text), stats
+
+    async with AsyncClient(address, app=app, timeout=1800) as c:
+        return await asyncio.gather(*[one(c, i, m, p) for i, (m, p) in enumerate(DEMO_REQUESTS)])
+
+
+def cmd_demo(args) -> int:
+    """Start the server, send real prompts in several modes concurrently, print streams and stats, shut down."""
+    from serve_app.local import serve_app, shutdown
+
+    cfg = config_from_args(args)
+    start = time.perf_counter()
+    print(f"[demo] starting an embedded Ray + calid (target {cfg.target}, draft {cfg.draft}) ...", flush=True)
+    try:
+        url = serve_app(cfg, dashboard=not args.no_dashboard)
+        print(f"[demo] ready in {time.perf_counter() - start:.0f} s: gRPC 127.0.0.1:{cfg.grpc_port}"
+              + (f", Ray dashboard {url}" if url else ""), flush=True)
+        print(f"[demo] {len(DEMO_REQUESTS)} concurrent streams through the SDK, one per mode:", flush=True)
+        t0 = time.perf_counter()
+        results = asyncio.run(_demo_requests(f"127.0.0.1:{cfg.grpc_port}", cfg.app_name, args.max_new_tokens))
+        wall = time.perf_counter() - t0
+        print(f"\n[demo] per-request stats ({wall:.1f} s wall for all {len(results)} together):")
+        print(f"  {'mode':12} {'tokens':>6} {'tok/s':>6} {'TTFT ms':>8} {'from draft':>10} {'target calls':>12} "
+              f"{'mean accepted':>13}")
+        for mode, _, s in results:
+            print(f"  {mode:12} {s.get('output_tokens', 0):>6} {s.get('tokens_per_s', 0):>6.2f} "
+                  f"{s.get('ttft_ms', 0):>8.0f} {s.get('filtered_fraction', 0):>10.0%} {s.get('target_calls', 0):>12} "
+                  f"{s.get('mean_accepted', 0):>13.2f}")
+        if url:
+            print(f"[demo] the dashboard ({url}) shows the replicas under Serve; the calid metrics "
+                  "(README: Dashboard) under Metrics")
+    finally:
+        print("[demo] shutting down", flush=True)
+        shutdown()
+    return 0

@@ -1,0 +1,142 @@
+"""Deployment configuration of the calid Serve application, validated at the edge.
+
+``AppConfig`` is what ``build_app`` (and the Serve YAML's ``args``) takes.
+Field checks run when it is built; ``check_models`` and ``check_resources``
+are the cross-cutting checks (draft and target share a vocabulary; the
+cluster can place the minimum replicas) that run once, before any replica
+starts, so that a bad deployment fails with one clear message instead of
+replicas crash-looping.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from calid.decoding.modes import MODES
+from calid.errors import CalidError
+from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, TEST_MODEL
+from calid.models.self_draft import parse_self_draft
+
+
+class ConfigError(CalidError):
+    """The deployment configuration cannot work."""
+
+
+class ScalingConfig(BaseModel):
+    """Replica bounds and the load one replica is sized for (see serve_app.autoscaling)."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    tokens_per_replica: float = Field(8.0, gt=0, description="token demand (tokens/s) one replica absorbs")
+    queue_per_replica: float = Field(4.0, gt=0, description="pending calls one replica may have queued")
+    upscale_delay_s: float = Field(2.0, ge=0)
+    downscale_delay_s: float = Field(20.0, ge=0)
+    look_back_period_s: float = Field(12.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: str = DEFAULT_TARGET
+    draft: str | None = DEFAULT_DRAFT  # a model spec, "self:N" (target's first N layers) or None
+    dtype: str = "fp32"
+    device: str = "cpu"
+    default_mode: str | None = None  # None: speculative with a draft, ar without
+    max_active: int = Field(16, ge=1, description="requests one router decodes at once")
+    queue_capacity: int = Field(64, ge=0, description="admitted requests waiting for a slot; more -> RESOURCE_EXHAUSTED")
+    affinity_groups: int = Field(2, ge=1, description="request groups per router, each sticky to one worker replica")
+    kv_budget_mb: int | None = Field(2048, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+    worker_call_retries: int = Field(8, ge=0, description="retries of a failed draft/target call (backoff 0.2 s doubling, at most 2 s; ~11 s in all, enough for a replica restart) before UNAVAILABLE")
+    router_num_cpus: float = Field(0.1, ge=0)
+    draft_num_cpus: float = Field(0.5, ge=0)
+    target_num_cpus: float = Field(0.5, ge=0)
+    target_num_gpus: float = Field(0.0, ge=0)
+    worker_threads: int | None = Field(None, ge=1, description="torch threads per worker replica (None: all cores; "
+                                       "Ray would otherwise limit a fractional-CPU replica to 1)")
+    draft_resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {draft_node: 0.01}")
+    target_resources: dict[str, float] = Field(default_factory=dict)
+    draft_scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    target_scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    grpc_port: int = Field(50051, ge=1, le=65535)
+    app_name: str = "calid"
+
+    @model_validator(mode="after")
+    def _cross_fields(self):
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and self.target_num_gpus <= 0:
+            raise ValueError("device cuda needs target_num_gpus > 0 so that target replicas are placed on GPUs")
+        if self.draft is not None:
+            try:
+                parse_self_draft(self.draft)
+            except CalidError as e:
+                raise ValueError(str(e)) from None
+        if self.default_mode is not None:
+            if self.default_mode not in MODES:
+                raise ValueError(f"default_mode must be one of {', '.join(MODES)}, got {self.default_mode!r}")
+            if self.draft is None and self.default_mode not in ("ar", "lookahead"):
+                raise ValueError(f"default_mode {self.default_mode!r} needs a draft model; draft is not set")
+        return self
+
+    @classmethod
+    def small(cls, **overrides) -> "AppConfig":
+        """SmolLM2-135M as target, its first 16 of 30 layers as the draft: quick to load, for demos and tests."""
+        return cls(**{"target": TEST_MODEL, "draft": "self:16", **overrides})
+
+
+def load_config(args: dict | AppConfig | None) -> AppConfig:
+    if isinstance(args, AppConfig):
+        return args
+    try:
+        return AppConfig(**(args or {}))
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        raise ConfigError(f"invalid calid config: {e}") from None
+
+
+def check_models(cfg: AppConfig) -> dict:
+    """Resolve both models (fetching presets once) and check they share a vocabulary; returns their facts."""
+    from calid.models.config import ModelConfig
+    from calid.models.loader import load_tokenizer
+    from calid.models.source import resolve
+
+    target = resolve(cfg.target)
+    facts = {"target": (target, ModelConfig.from_dir(target.path))}
+    if cfg.draft is not None and parse_self_draft(cfg.draft) is None:
+        draft = resolve(cfg.draft)
+        t_vocab, d_vocab = facts["target"][1].vocab_size, ModelConfig.from_dir(draft.path).vocab_size
+        if t_vocab != d_vocab or load_tokenizer(target.path).get_vocab() != load_tokenizer(draft.path).get_vocab():
+            raise ConfigError(f"draft {cfg.draft} and target {cfg.target} have different tokenizers "
+                              f"({d_vocab} vs {t_vocab} tokens); a draft must share the target's vocabulary")
+        facts["draft"] = (draft, ModelConfig.from_dir(draft.path))
+    elif cfg.draft is not None:
+        layers, total = parse_self_draft(cfg.draft), facts["target"][1].num_layers
+        if not 1 <= layers <= total:
+            raise ConfigError(f"self-draft layers must be in [1, {total}] for {cfg.target}, got {cfg.draft}")
+    return facts
+
+
+def check_resources(cfg: AppConfig, cluster: dict[str, float]) -> None:
+    """The cluster must hold the minimum replicas of every deployment (``cluster``: ray.cluster_resources())."""
+    need: dict[str, float] = {"CPU": cfg.router_num_cpus}
+    roles = [("target", cfg.target_scaling, cfg.target_num_cpus, cfg.target_num_gpus, cfg.target_resources)]
+    if cfg.draft is not None:
+        roles.append(("draft", cfg.draft_scaling, cfg.draft_num_cpus, 0.0, cfg.draft_resources))
+    for _, scaling, cpus, gpus, custom in roles:
+        n = max(1, scaling.min_replicas)
+        need["CPU"] += n * cpus
+        if gpus:
+            need["GPU"] = need.get("GPU", 0.0) + n * gpus
+        for k, v in custom.items():
+            need[k] = need.get(k, 0.0) + n * v
+    missing = [f"{k}: need {v:g}, cluster has {cluster.get(k, 0.0):g}" for k, v in need.items()
+               if v > cluster.get(k, 0.0) + 1e-9]
+    if missing:
+        raise ConfigError("the cluster cannot place the minimum replicas (" + "; ".join(missing) + ")")

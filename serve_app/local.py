@@ -1,0 +1,46 @@
+"""An embedded, loopback-only Ray + Serve for ``calid serve``, the demo and the tests."""
+from __future__ import annotations
+
+import os
+
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # otherwise Ray binds the machine's external address
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "RAY_AUTH_MODE": "disabled",
+    # autoscaling metrics every 2 s instead of 10 s, so that replicas follow load on a demo timescale
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
+}
+
+
+def start_ray(num_cpus: int | None = None, dashboard: bool = True) -> str | None:
+    """Start a local Ray on 127.0.0.1 (or reuse the running one); returns the dashboard URL if any."""
+    for k, v in LOOPBACK_ENV.items():
+        os.environ.setdefault(k, v)
+    import ray
+
+    if not ray.is_initialized():
+        ctx = ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
+                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False,
+                       configure_logging=True, logging_level="warning")
+        url = getattr(ctx, "dashboard_url", None)
+        return f"http://{url}" if url else None
+    return None
+
+
+def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True) -> str | None:
+    """Start Ray (if needed), Serve's gRPC proxy on cfg.grpc_port, and the calid app; returns the dashboard URL."""
+    from serve_app.app import start
+
+    url = start_ray(num_cpus, dashboard)
+    start(cfg)
+    return url
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()

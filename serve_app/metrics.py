@@ -1,0 +1,56 @@
+"""Prometheus metrics of the calid app (ray.serve.metrics), exported as ``ray_calid_*``.
+
+Serve adds deployment/replica/application tags itself. The Grafana dashboard
+in serve_app/grafana/calid_dashboard.json plots every series defined here.
+"""
+from __future__ import annotations
+
+from ray.serve import metrics
+
+from calid.generation import GenerationResult
+
+LATENCY_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]
+COUNTS = [1, 2, 4, 8, 16, 32, 64]
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.requests = metrics.Counter("calid_requests", "requests finished, by mode and outcome (gRPC code)",
+                                        tag_keys=("mode", "code"))
+        self.tokens = metrics.Counter("calid_tokens", "output tokens by source (draft or target)",
+                                      tag_keys=("mode", "source"))
+        self.filtered_fraction = metrics.Gauge("calid_filtered_fraction",
+                                               "output tokens from the draft / all output tokens (last 10 s)")
+        self.acceptance = metrics.Histogram("calid_acceptance_length", "draft tokens accepted per verification",
+                                            boundaries=[0.5, 1, 2, 3, 4, 6, 8, 12, 16], tag_keys=("mode",))
+        self.queue_depth = metrics.Gauge("calid_queue_depth", "requests admitted and waiting for a decoding slot")
+        self.active = metrics.Gauge("calid_active_requests", "requests decoding")
+        self.ttft = metrics.Histogram("calid_ttft_ms", "time to first token at the router",
+                                      boundaries=LATENCY_MS, tag_keys=("mode",))
+        self.tpot = metrics.Histogram("calid_tpot_ms", "time per output token after the first",
+                                      boundaries=LATENCY_MS, tag_keys=("mode",))
+        self.escalation_batch = metrics.Histogram("calid_escalation_batch_size",
+                                                  "requests per router step that needed the target",
+                                                  boundaries=COUNTS)
+
+    def finished(self, result: GenerationResult, mode: str) -> None:
+        tags = {"mode": mode}
+        self.requests.inc(tags={"mode": mode, "code": "OK"})
+        for source, n in (("draft", result.stats.draft_tokens), ("target", result.stats.target_tokens)):
+            if n > 0:  # Counter.inc refuses 0
+                self.tokens.inc(n, tags={"mode": mode, "source": source})
+        if result.stats.verifications:
+            self.acceptance.observe(result.stats.mean_accepted, tags=tags)
+        self.ttft.observe(result.ttft_s * 1000, tags=tags)
+        if len(result.output_ids) > 1:
+            self.tpot.observe((result.total_s - result.ttft_s) * 1000 / (len(result.output_ids) - 1), tags=tags)
+
+    def failed(self, mode: str, code: str) -> None:
+        self.requests.inc(tags={"mode": mode, "code": code})
+
+
+class WorkerMetrics:
+    def __init__(self, role: str):
+        self.batch = metrics.Histogram(f"calid_{role}_batch_size", f"requests per {role} worker batch "
+                                       "(all router calls merged into one model pass)", boundaries=COUNTS)
+        self.latency = metrics.Histogram(f"calid_{role}_call_ms", f"{role} worker batch latency", boundaries=LATENCY_MS)

@@ -1,0 +1,61 @@
+"""calid.v1 protobuf messages <-> engine types, with field checks that name the field."""
+from __future__ import annotations
+
+import math
+
+from calid.decoding.modes import DecodeParams
+from calid.errors import InvalidRequestError
+from calid.generation import GenerationRequest, GenerationResult, SamplingParams
+from calid.text import encode_prompt
+from calid.v1 import calid_pb2 as pb
+
+ROLES = ("system", "user", "assistant")
+MAX_STOP = 16
+
+
+def prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
+    if msg.prompt and msg.messages:
+        raise InvalidRequestError("set either prompt or messages, not both")
+    if msg.messages:
+        for i, m in enumerate(msg.messages):
+            if m.role not in ROLES:
+                raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}")
+        return encode_prompt(tokenizer, [{"role": m.role, "content": m.content} for m in msg.messages])
+    if not msg.prompt:
+        raise InvalidRequestError("prompt is empty (set prompt or messages)")
+    return encode_prompt(tokenizer, msg.prompt, chat=not msg.raw_prompt)
+
+
+def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams) -> GenerationRequest:
+    """A GenerationRequest from the wire; raises InvalidRequestError naming the bad field."""
+    for name in ("temperature", "top_p", "threshold"):
+        if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
+            raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)!r}")
+    if len(msg.stop) > MAX_STOP:
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP} strings, got {len(msg.stop)}")
+    params = SamplingParams(
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else SamplingParams.max_new_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k if msg.HasField("top_k") else 0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    ).validate()
+    mode = msg.mode or default.mode
+    decode = DecodeParams(
+        mode=mode,
+        gamma=msg.gamma if msg.HasField("gamma") else default.gamma,
+        threshold=msg.threshold if msg.HasField("threshold") else default.threshold,
+    ).validate()
+    return GenerationRequest(prompt_ids(msg, tokenizer), params, None, decode)
+
+
+def stats(result: GenerationResult, mode: str) -> pb.RequestStats:
+    s = result.stats
+    return pb.RequestStats(
+        prompt_tokens=result.prompt_tokens, output_tokens=len(result.output_ids),
+        draft_tokens=s.draft_tokens, target_tokens=s.target_tokens, filtered_fraction=s.filtered_fraction,
+        target_calls=s.target_calls, draft_forwards=s.draft_calls, mean_accepted=s.mean_accepted,
+        ttft_ms=result.ttft_s * 1000, total_ms=result.total_s * 1000, tokens_per_s=result.tokens_per_s, mode=mode,
+    )

@@ -1,0 +1,349 @@
+"""The router deployment: gRPC ingress and CALID inference gateway.
+
+Per request: validate (INVALID_ARGUMENT naming the field), admit into a
+bounded queue (RESOURCE_EXHAUSTED when full), then decode in the router's
+step loop together with every other active request (calid.orchestrator):
+one draft call and one target call per step for all of them, grouped by
+affinity key so each group's calls stick to the worker replicas that hold its
+KV caches. Confident filter drafts are appended and streamed before the
+target call (early acceptance); the escalations of all requests go to the
+target in one batch. The router's token ids are the source of truth: a failed
+worker call is retried (any replica recomputes from the ids), and only after
+``worker_call_retries`` does the request fail with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+import uuid
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+
+from calid.decoding.modes import MODES
+from calid.errors import CalidError, InvalidRequestError
+from calid.generation import GenerationResult, RequestState, StreamEvent
+from calid.models.config import ModelConfig
+from calid.models.loader import eos_token_ids, load_tokenizer
+from calid.models.source import resolve
+from calid.orchestrator import Orchestrator
+from calid.scaling import RateWindow
+from calid.v1 import calid_pb2 as pb
+from serve_app import protocol
+from serve_app.config import load_config
+from serve_app.metrics import RouterMetrics
+
+log = logging.getLogger("ray.serve")
+RETRY_CAP_S = 2.0
+
+
+class WorkersUnavailable(Exception):
+    def __init__(self, role: str, cause: BaseException):
+        super().__init__(f"the {role} deployment could not serve: {cause!r}")
+        self.code = grpc.StatusCode.UNAVAILABLE if _is_system_error(cause) else grpc.StatusCode.INTERNAL
+
+
+def _is_system_error(e: BaseException) -> bool:
+    return not isinstance(e, RayTaskError) or isinstance(e, RayActorError) or "Actor" in type(e).__name__
+
+
+class RequestRefused(Exception):
+    """Ends a stream with the status code already set on the gRPC context."""
+
+
+@dataclass
+class _Failure:
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class _Request:
+    """Router-side handle of one request: its client id, mode and the channel its events go to."""
+
+    client_id: str
+    mode: str
+    req: object  # GenerationRequest
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seen: tuple[int, int] = (0, 0)  # draft/target tokens already counted in the rate window
+
+
+@serve.deployment(name="router", max_ongoing_requests=1024)
+class Router:
+    def __init__(self, config, draft=None, target=None):
+        self.cfg = load_config(config)
+        self.draft, self.target = draft, target
+        source = resolve(self.cfg.target, show_progress=False)
+        model_cfg = ModelConfig.from_dir(source.path)
+        self.tokenizer = load_tokenizer(source.path)
+        self.vocab_size, self.max_position = model_cfg.vocab_size, model_cfg.max_position
+        self.orch = Orchestrator(self.tokenizer, eos_token_ids(source.path, self.tokenizer), self.max_position,
+                                 has_draft=draft is not None)
+        if self.cfg.default_mode:
+            from dataclasses import replace
+            self.orch.default_decode = replace(self.orch.default_decode, mode=self.cfg.default_mode)
+        self._id = uuid.uuid4().hex[:8]
+        self._n = 0
+        self._requests: dict[str, _Request] = {}  # internal id -> request
+        self._waiting: deque[str] = deque()
+        self._cancelled: set[str] = set()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._rates = RateWindow()
+        self._metrics = RouterMetrics()
+        self._steps = 0
+        self._max_escalation = 0
+
+    # ---- gRPC methods -------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        r = self._open(request, grpc_context)
+        if r is None:
+            return pb.GenerateResponse()
+        text, ids = [], []
+        try:
+            async for item in self._events(r):
+                if isinstance(item, _Failure):
+                    return self._fail(grpc_context, r, item)
+                text.append(item.text)
+                ids += item.token_ids
+                if item.result is not None:
+                    return pb.GenerateResponse(request_id=r.client_id, text=item.result.text, token_ids=ids,
+                                               finish_reason=item.result.finish_reason,
+                                               stats=protocol.stats(item.result, r.mode))
+        finally:
+            self._close(r)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
+        r = self._open(request, grpc_context)
+        if r is None:  # Serve sends the status set on the context when a stream raises
+            raise RequestRefused(grpc_context.details() if grpc_context is not None else "refused")
+        try:
+            async for item in self._events(r):
+                if isinstance(item, _Failure):
+                    self._fail(grpc_context, r, item)
+                    raise RequestRefused(item.message)
+                chunk = pb.GenerateChunk(request_id=r.client_id, text=item.text, token_ids=item.token_ids)
+                if item.result is not None:
+                    chunk.finish_reason = item.result.finish_reason
+                    chunk.stats.CopyFrom(protocol.stats(item.result, r.mode))
+                yield chunk
+        finally:
+            self._close(r)
+
+    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+        alive = self._loop_task is None or not self._loop_task.done()
+        return pb.HealthResponse(serving=alive, active_requests=len(self.orch.active),
+                                 queued_requests=len(self._waiting), queue_capacity=self.cfg.queue_capacity)
+
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
+        models = [pb.ModelInfo(role="target", name=self.cfg.target, vocab_size=self.vocab_size,
+                               max_position=self.max_position)]
+        if self.draft is not None:
+            models.append(pb.ModelInfo(role="draft", name=self.cfg.draft, vocab_size=self.vocab_size,
+                                       max_position=self.max_position))
+        modes = [m for m in MODES if self.draft is not None or m in ("ar", "lookahead")]
+        return pb.ListModelsResponse(models=models, modes=modes, default_mode=self.orch.default_decode.mode)
+
+    async def stats(self) -> dict:
+        """Router counters for tests and the demo (not part of the gRPC API)."""
+        return {"active": len(self.orch.active), "waiting": len(self._waiting), "requests": len(self._requests),
+                "steps": self._steps, "max_escalation_batch": self._max_escalation}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"queue_depth": float(len(self._waiting)), "active": float(len(self.orch.active)),
+                **self._rates.snapshot()}
+
+    # ---- admission and delivery ------------------------------------------------------
+
+    def _open(self, request: pb.GenerateRequest, grpc_context) -> _Request | None:
+        """Validate and admit; on refusal set the status code and return None."""
+        try:
+            req = protocol.to_request(request, self.tokenizer, self.orch.default_decode)
+            self._n += 1
+            req.request_id = f"{self._id}-{self._n}"
+            self.orch.validate(req)
+        except CalidError as e:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            return self._refuse(grpc_context, request.mode or "default", code, str(e))
+        if len(self._waiting) >= self.cfg.queue_capacity and len(self.orch.active) >= self.cfg.max_active:
+            return self._refuse(grpc_context, req.decode.mode, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"admission queue is full ({self.cfg.queue_capacity} waiting); retry later")
+        r = _Request(request.request_id or req.request_id, req.decode.mode, req)
+        self._requests[req.request_id] = r
+        self._waiting.append(req.request_id)
+        self._ensure_loop()
+        self._wake.set()
+        return r
+
+    def _refuse(self, grpc_context, mode: str, code: grpc.StatusCode, message: str) -> None:
+        self._metrics.failed(mode, code.name)
+        if grpc_context is not None:
+            grpc_context.set_code(code)
+            grpc_context.set_details(message)
+        return None
+
+    def _fail(self, grpc_context, r: _Request, failure: _Failure):
+        self._refuse(grpc_context, r.mode, failure.code, failure.message)
+        return pb.GenerateResponse(request_id=r.client_id)
+
+    async def _events(self, r: _Request):
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while True:
+            try:
+                item = await asyncio.wait_for(r.events.get(), timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                yield _Failure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"request did not finish within request_timeout_s={self.cfg.request_timeout_s:g}")
+                return
+            yield item
+            if isinstance(item, _Failure) or item.result is not None:
+                return
+
+    def _close(self, r: _Request) -> None:
+        """The caller is done with ``r`` (finished, failed, or the client went away): free its state."""
+        rid = r.req.request_id
+        if rid in self._requests:
+            self._cancelled.add(rid)
+            self._wake.set()
+
+    # ---- the step loop --------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            # a fresh context: the loop must not inherit (and be cancelled with) the request that started it
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
+
+    async def _loop(self) -> None:
+        while True:
+            self._drop_cancelled()
+            self._admit()
+            states = list(self.orch.active.values())
+            self._metrics.queue_depth.set(len(self._waiting))
+            self._metrics.active.set(len(states))
+            if not states:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._step(states)
+            except WorkersUnavailable as e:
+                log.warning("calid router: failing %d requests: %s", len(states), e)
+                for s in states:
+                    self._deliver_failure(s.req.request_id, _Failure(e.code, str(e)))
+            except Exception as e:  # a bug must not take down every later request
+                log.exception("calid router: step failed")
+                for s in states:
+                    self._deliver_failure(s.req.request_id, _Failure(grpc.StatusCode.INTERNAL, f"internal error: {e!r}"))
+            self._finish(self.orch.finished())
+
+    def _admit(self) -> None:
+        while self._waiting and len(self.orch.active) < self.cfg.max_active:
+            rid = self._waiting.popleft()
+            if rid in self._requests:
+                self.orch.start(self._requests[rid].req)
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        gone = []
+        for rid in self._cancelled:
+            self._requests.pop(rid, None)
+            s = self.orch.finish(rid)
+            if s is not None:
+                gone.append(s)
+        self._waiting = deque(rid for rid in self._waiting if rid not in self._cancelled)
+        self._cancelled.clear()
+        self._release(gone)
+
+    async def _step(self, states: list[RequestState]) -> None:
+        self._steps += 1
+        tasks = self.orch.draft_tasks(states)
+        drafts = await self._call("draft", tasks) if tasks else []
+        events, verify = self.orch.after_draft(states, drafts)
+        self._deliver(events)
+        if verify:
+            self._max_escalation = max(self._max_escalation, len(verify))
+            self._metrics.escalation_batch.observe(len(verify))
+            self._deliver(self.orch.after_verify(await self._call("target", verify)))
+        self._count_tokens(states)
+
+    def _deliver(self, events: list[StreamEvent]) -> None:
+        for e in events:
+            r = self._requests.get(e.request_id)
+            if r is not None:
+                r.events.put_nowait(e)
+                if e.result is not None:
+                    try:
+                        self._metrics.finished(e.result, r.mode)
+                    except Exception:  # metrics must never fail a request
+                        log.exception("calid router: recording metrics failed")
+
+    def _deliver_failure(self, rid: str, failure: _Failure) -> None:
+        r = self._requests.get(rid)
+        if r is not None:
+            r.events.put_nowait(failure)
+        s = self.orch.finish(rid)
+        if s is not None:
+            self._release([s])
+
+    def _finish(self, done: list[RequestState]) -> None:
+        for s in done:
+            self._requests.pop(s.req.request_id, None)
+        self._release(done)
+
+    def _count_tokens(self, states: list[RequestState]) -> None:
+        for s in states:
+            r = self._requests.get(s.req.request_id)
+            if r is None:
+                continue
+            d, t = s.stats.draft_tokens - r.seen[0], s.stats.target_tokens - r.seen[1]
+            r.seen = (s.stats.draft_tokens, s.stats.target_tokens)
+            self._rates.add(d, t, s.req.decode.uses_draft)
+        self._metrics.filtered_fraction.set(self._rates.snapshot()["filtered_fraction"])
+
+    # ---- worker calls ----------------------------------------------------------------
+
+    def _group(self, request_id: str) -> str:
+        return f"g{zlib.crc32(request_id.encode()) % self.cfg.affinity_groups}"
+
+    def _report(self) -> dict:
+        return {"router": self._id, "queued": float(len(self._waiting)), **self._rates.snapshot()}
+
+    async def _call(self, role: str, tasks: list) -> list:
+        """One call per affinity group, concurrently; retried with backoff, then WorkersUnavailable."""
+        handle, method = (self.draft, "draft") if role == "draft" else (self.target, "verify")
+        groups: dict[str, list] = {}
+        for t in tasks:
+            groups.setdefault(self._group(t.request_id), []).append(t)
+        report = self._report()
+        for attempt in range(self.cfg.worker_call_retries + 1):
+            try:
+                calls = [getattr(handle.options(multiplexed_model_id=key), method).remote(group, report)
+                         for key, group in groups.items()]
+                return [r for out in await asyncio.gather(*calls) for r in out]
+            except (Exception, asyncio.CancelledError) as e:
+                if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                    raise  # the router itself is shutting down
+                if attempt == self.cfg.worker_call_retries:
+                    raise WorkersUnavailable(role, e) from e
+                log.warning("calid router: %s call failed (attempt %d): %r; retrying", role, attempt + 1, e)
+                await asyncio.sleep(min(RETRY_CAP_S, 0.2 * 2**attempt))  # a restarting replica takes seconds
+
+    def _release(self, done: list[RequestState]) -> None:
+        """Tell the workers to free the finished requests' caches (fire and forget)."""
+        groups: dict[str, list[RequestState]] = {}
+        for s in done:
+            groups.setdefault(self._group(s.req.request_id), []).append(s)
+        for key, group in groups.items():
+            ids = [s.req.request_id for s in group]
+            self.target.options(multiplexed_model_id=key).release.remote(ids, {s.req.request_id: s.token_ids
+                                                                               for s in group})
+            if self.draft is not None:
+                self.draft.options(multiplexed_model_id=key).release.remote(ids)

@@ -1,0 +1,143 @@
+"""Draft and target deployments: one model each, behind calid.workers, with soft-state KV caches.
+
+Every call carries a list of tasks (one router step's requests of one
+affinity group). ``@serve.batch`` merges the calls that arrive together (from
+several groups or routers) into one model pass, so escalations of many
+requests share one target forward (continuous batching across routers).
+Model work runs on one executor thread, off the replica's event loop.
+
+Affinity: routers tag calls with a group key through Serve's model
+multiplexing (``multiplexed_model_id``); the key is "loaded" for free, so a
+group's calls stick to the replica that holds its KV caches, and any replica
+still serves a group correctly (it recomputes on a cache miss).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from ray import serve
+
+from calid.models.loader import load_model
+from calid.models.self_draft import load_draft
+from calid.runtime.runner import ModelRunner
+from calid.workers import DraftWorker, TargetWorker
+from serve_app.autoscaling import DEMAND, PENDING, QUEUE
+from serve_app.config import load_config
+from serve_app.metrics import WorkerMetrics
+
+REPORT_TTL_S = 5.0  # a busy router reports with every call; one that stopped calling stops counting
+MAX_BATCH_CALLS = 64
+
+
+class _WorkerBase:
+    role = ""
+
+    def _setup(self, config) -> None:
+        self.cfg = load_config(config)
+        torch.set_num_threads(self.cfg.worker_threads or os.cpu_count() or 1)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"calid-{self.role}")
+        self._reports: dict[str, tuple[float, float, float]] = {}  # router -> (time, demand, queued requests)
+        self._pending = 0
+        self._batches = 0
+        self._max_batch = 0
+        self._metrics = WorkerMetrics(self.role)
+
+    @property
+    def _kv_budget(self) -> int | None:
+        return None if self.cfg.kv_budget_mb is None else self.cfg.kv_budget_mb * 2**20
+
+    @serve.multiplexed(max_num_models_per_replica=1024)
+    async def _affinity(self, key: str) -> str:
+        return key  # nothing to load: the key only steers routing to this replica
+
+    async def _enter(self, report: dict | None) -> None:
+        key = serve.get_multiplexed_model_id()
+        if key:
+            await self._affinity(key)
+        if report:
+            self._reports[report["router"]] = (time.monotonic(), report[f"{self.role}_demand"], report["queued"])
+
+    async def _run_batch(self, fn, calls: list[list]) -> list[list]:
+        """Run ``fn`` once over the tasks of several calls; split its results back per call."""
+        flat = [t for call in calls for t in call]
+        start = time.perf_counter()
+        results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, flat)
+        self._batches += 1
+        self._max_batch = max(self._max_batch, len(flat))
+        self._metrics.batch.observe(len(flat))
+        self._metrics.latency.observe((time.perf_counter() - start) * 1000)
+        by_id = {r.request_id: r for r in results}
+        return [[by_id[t.request_id] for t in call if t.request_id in by_id] for call in calls]
+
+    async def release(self, request_ids: list, final_ids: dict | None = None) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._release, request_ids, final_ids)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        now = time.monotonic()
+        stats = {PENDING: float(self._pending)}
+        for router, (at, demand, queued) in list(self._reports.items()):
+            if now - at > REPORT_TTL_S:
+                del self._reports[router]
+                continue
+            stats[DEMAND + router] = demand
+            stats[QUEUE + router] = queued
+        return stats
+
+    async def stats(self) -> dict:
+        """Counters for tests and the demo: batches run, the largest batch, live KV caches."""
+        return {"batches": self._batches, "max_batch": self._max_batch, "cached": len(self._runner.caches),
+                "pending": self._pending}
+
+    async def _call(self, batch_fn, tasks: list, report: dict | None) -> list:
+        await self._enter(report)
+        self._pending += 1
+        try:
+            return await batch_fn(tasks)
+        finally:
+            self._pending -= 1
+
+
+@serve.deployment(name="draft", max_ongoing_requests=256)
+class DraftDeployment(_WorkerBase):
+    role = "draft"
+
+    def __init__(self, config):
+        self._setup(config)
+        lm = load_draft(self.cfg.draft, self.cfg.target, self.cfg.dtype, self.cfg.device, show_progress=False)
+        self._runner = ModelRunner(lm.model, self._kv_budget)
+        self.worker = DraftWorker(self._runner, lm.eos_ids)
+
+    async def draft(self, tasks: list, report: dict | None = None) -> list:
+        return await self._call(self._draft_batch, tasks, report)
+
+    @serve.batch(max_batch_size=MAX_BATCH_CALLS, batch_wait_timeout_s=0.002)
+    async def _draft_batch(self, calls: list[list]) -> list[list]:
+        return await self._run_batch(self.worker.draft, calls)
+
+    def _release(self, request_ids, final_ids) -> None:
+        self.worker.release(request_ids)
+
+
+@serve.deployment(name="target", max_ongoing_requests=256)
+class TargetDeployment(_WorkerBase):
+    role = "target"
+
+    def __init__(self, config):
+        self._setup(config)
+        lm = load_model(self.cfg.target, self.cfg.dtype, self.cfg.device, show_progress=False)
+        self._runner = ModelRunner(lm.model, self._kv_budget)
+        self.worker = TargetWorker(self._runner)
+
+    async def verify(self, tasks: list, report: dict | None = None) -> list:
+        return await self._call(self._verify_batch, tasks, report)
+
+    @serve.batch(max_batch_size=MAX_BATCH_CALLS, batch_wait_timeout_s=0.002)
+    async def _verify_batch(self, calls: list[list]) -> list[list]:
+        return await self._run_batch(self.worker.verify, calls)
+
+    def _release(self, request_ids, final_ids) -> None:
+        self.worker.release(request_ids, final_ids)

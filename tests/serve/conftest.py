@@ -1,0 +1,50 @@
+"""One real local Ray + Serve (gRPC proxy on loopback) for the whole serve suite.
+
+App ``calid``: SmolLM2-135M target with its first 16 layers as the draft
+(AppConfig.small). Other apps are added by the tests that need other limits.
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from serve_app.config import AppConfig
+from serve_helpers import deploy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_port():
+    from ray import serve
+
+    from serve_app.app import grpc_options
+    from serve_app.local import LOOPBACK_ENV, shutdown, start_ray
+
+    import os
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "1"
+    os.environ["RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "1"
+    assert LOOPBACK_ENV
+    start_ray(num_cpus=8, dashboard=False)
+    port = _free_port()
+    serve.start(grpc_options=grpc_options(port), http_options={"host": "127.0.0.1", "port": _free_port()})
+    yield port
+    shutdown()
+
+
+@pytest.fixture(scope="session")
+def small_app(serve_port):
+    return deploy(AppConfig.small(app_name="calid", grpc_port=serve_port))
+
+
+@pytest.fixture()
+def client(small_app):
+    from calid.client import Client
+
+    with Client(f"127.0.0.1:{small_app.grpc_port}", app=small_app.app_name, timeout=300) as c:
+        yield c

@@ -1,0 +1,89 @@
+"""Faults: a worker that dies mid-request costs time, not data; no worker at all is UNAVAILABLE."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from serve_helpers import deploy, handle
+
+from calid.client import Client
+from calid.v1 import calid_pb2 as pb
+from serve_app.config import AppConfig
+
+pytestmark = [pytest.mark.ray, pytest.mark.model]
+
+PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+def _replica_actors(app: str, deployment: str):
+    import ray
+    from ray.util import list_named_actors
+
+    names = [a["name"] for a in list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
+    return [ray.get_actor(n, namespace="serve") for n in names]
+
+
+def test_target_replica_killed_mid_stream_the_request_still_completes(serve_port):
+    import ray
+
+    deploy(AppConfig.small(app_name="fault", grpc_port=serve_port, draft=None))
+    with Client(f"127.0.0.1:{serve_port}", app="fault", timeout=300) as c:
+        want = c.generate(PROMPT, max_new_tokens=40, ignore_eos=True).token_ids
+        stream = c.stream(PROMPT, max_new_tokens=40, ignore_eos=True)
+        got = list(next(stream).token_ids)
+        (replica,) = _replica_actors("fault", "target")
+        ray.kill(replica, no_restart=True)  # Serve notices and starts a fresh replica
+        for chunk in stream:
+            got += chunk.token_ids
+    assert got == want  # the router's token ids survived; the new replica recomputed the cache
+
+
+class _DeadHandle:
+    """Stands in for a deployment whose every replica is gone."""
+
+    calls = 0
+
+    def options(self, **kw):
+        return self
+
+    def __getattr__(self, method):
+        outer = self
+
+        class _Method:
+            def remote(self, *a, **kw):
+                if method == "release":
+                    return None  # fire and forget
+                async def fail():
+                    outer.calls += 1
+                    from ray.exceptions import RayActorError
+                    raise RayActorError()
+                return fail()
+        return _Method()
+
+
+class _Context:
+    def __init__(self):
+        self.code, self.message = None, None
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, message):
+        self.message = message
+
+    def details(self):
+        return self.message
+
+
+def test_no_worker_answers_is_unavailable_after_retries(serve_port):
+    from serve_app.router import Router
+
+    dead = _DeadHandle()
+    router = Router.func_or_class(AppConfig.small(draft=None, worker_call_retries=2).model_dump(), None, dead)
+    ctx = _Context()
+    resp = asyncio.run(router.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=4), ctx))
+    assert ctx.code == grpc.StatusCode.UNAVAILABLE and "target deployment could not serve" in ctx.message
+    assert dead.calls == 3 and resp.text == ""
+    assert not router.orch.active and not router._requests  # nothing left behind

@@ -1,0 +1,156 @@
+"""The Serve app over real gRPC on a real local Ray: outputs, batching, status codes, cancellation."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from calid.client import Client, DeadlineExceeded, InvalidArgument, ResourceExhausted
+from calid.decoding.modes import MODES, DecodeParams
+from calid.generation import GenerationRequest, SamplingParams
+from calid.text import encode_prompt
+from serve_helpers import deploy, handle, wait_until
+from serve_app.config import AppConfig
+
+pytestmark = [pytest.mark.ray, pytest.mark.model]
+
+PROMPTS = ["Write a Python function that checks whether a number is prime.",
+           "What is the capital of France? Answer in one sentence.",
+           "List three colors of the rainbow.",
+           "Explain what a hash map is."]
+
+
+@pytest.fixture(scope="module")
+def local_engine(smol):
+    """The in-process engine with the same models as the served app (target + its first 16 layers)."""
+    from calid.engine import Engine
+    from calid.models.self_draft import self_draft
+    from calid.runtime.runner import ModelRunner
+
+    return Engine(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids,
+                  draft=ModelRunner(self_draft(smol.model, 16)), max_batch=16)
+
+
+def _local(engine, tokenizer, prompts, mode, max_new_tokens):
+    reqs = [GenerationRequest(encode_prompt(tokenizer, p), SamplingParams(max_new_tokens=max_new_tokens),
+                              decode=DecodeParams(mode=mode)) for p in prompts]
+    return engine.generate(reqs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_over_grpc_equals_in_process(client, local_engine, smol, mode):
+    want = _local(local_engine, smol.tokenizer, PROMPTS[:2], mode, 24)
+    for prompt, w in zip(PROMPTS[:2], want):
+        got = client.generate(prompt, max_new_tokens=24, mode=mode)
+        assert got.token_ids == w.output_ids, f"{mode}: {got.text!r} != {w.text!r}"
+        assert got.text == w.text and got.finish_reason == w.finish_reason
+        assert got.stats["mode"] == mode and got.stats["output_tokens"] == len(w.output_ids)
+        assert got.stats["filtered_fraction"] == pytest.approx(w.stats.filtered_fraction)
+        assert got.stats["target_calls"] == w.stats.target_calls
+
+
+def test_stream_chunks_add_up_to_the_whole_output(client):
+    whole = client.generate(PROMPTS[2], max_new_tokens=20, mode="speculative")
+    chunks = list(client.stream(PROMPTS[2], max_new_tokens=20, mode="speculative", request_id="mine-1"))
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert all(c.request_id == "mine-1" for c in chunks)
+    assert chunks[-1].finish_reason and chunks[-1].stats["output_tokens"] == len(whole.token_ids)
+    assert not any(c.finish_reason for c in chunks[:-1])
+
+
+def test_sixteen_concurrent_streams_are_correct_and_batched(small_app, local_engine, smol):
+    from calid.client import AsyncClient
+
+    prompts = [PROMPTS[i % 4] for i in range(16)]
+    want = _local(local_engine, smol.tokenizer, PROMPTS, "speculative", 20)
+    before = handle("calid", "target").stats.remote().result()
+
+    async def one(c, p):
+        return [t for chunk in [x async for x in c.stream(p, max_new_tokens=20, mode="speculative")]
+                for t in chunk.token_ids]
+
+    async def main():
+        async with AsyncClient(f"127.0.0.1:{small_app.grpc_port}", app="calid", timeout=300) as c:
+            return await asyncio.gather(*[one(c, p) for p in prompts])
+
+    outs = asyncio.run(main())
+    for i, out in enumerate(outs):
+        assert out == want[i % 4].output_ids, f"stream {i}"
+    router = handle("calid", "router").stats.remote().result()
+    target = handle("calid", "target").stats.remote().result()
+    assert router["max_escalation_batch"] > 1  # one router step sent many requests' escalations together
+    assert target["max_batch"] > 1 and target["batches"] > before["batches"]  # ...and the target ran them in one forward
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"mode": "warp"}, "mode"),
+    ({"prompt": ""}, "prompt"),
+    ({"gamma": 99}, "gamma"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+])
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(client, kw, field):
+    prompt = kw.pop("prompt", "Say hello.")
+    with pytest.raises(InvalidArgument, match=field):
+        client.generate(prompt, **kw)
+    with pytest.raises(InvalidArgument, match=field):
+        list(client.stream(prompt, **kw))
+    assert client.generate("Say hello.", max_new_tokens=4).finish_reason in ("length", "eos")
+
+
+def test_health_and_models(client):
+    h = client.health()
+    assert h.serving and h.queue_capacity == 64
+    models = client.list_models()
+    assert [m.role for m in models.models] == ["target", "draft"]
+    assert set(models.modes) == set(MODES) and models.default_mode == "speculative"
+
+
+def _router_idle(app: str) -> bool:
+    s = handle(app, "router").stats.remote().result()
+    return s["requests"] == 0 and s["active"] == 0 and s["waiting"] == 0
+
+
+def _workers_empty(app: str, roles=("target", "draft")) -> bool:
+    return all(handle(app, r).stats.remote().result()["cached"] == 0 for r in roles)
+
+
+def test_client_cancellation_frees_router_and_worker_state(client):
+    stream = client.stream(PROMPTS[0], max_new_tokens=200, ignore_eos=True, mode="speculative")
+    first = [next(stream), next(stream)]
+    assert all(not c.finish_reason for c in first)
+    assert not _router_idle("calid")
+    stream.close()  # the client goes away mid-stream
+    assert wait_until(lambda: _router_idle("calid"), 20)
+    assert wait_until(lambda: _workers_empty("calid"), 20)
+
+
+def test_deadline_exceeded_frees_state(client):
+    with pytest.raises(DeadlineExceeded):
+        client.generate(PROMPTS[0], max_new_tokens=300, ignore_eos=True, timeout=1.0)
+    assert wait_until(lambda: _router_idle("calid"), 20)
+    assert wait_until(lambda: _workers_empty("calid"), 20)
+
+
+def test_full_admission_queue_is_resource_exhausted(serve_port):
+    cfg = deploy(AppConfig.small(app_name="tight", grpc_port=serve_port, draft=None, max_active=1, queue_capacity=0))
+    with Client(f"127.0.0.1:{serve_port}", app="tight", timeout=120) as c:
+        busy = c.stream(PROMPTS[0], max_new_tokens=300, ignore_eos=True)
+        next(busy)
+        with pytest.raises(ResourceExhausted, match="queue is full"):
+            c.generate("Say hello.", max_new_tokens=4)
+        busy.close()
+        assert wait_until(lambda: _router_idle("tight"), 20), handle("tight", "router").stats.remote().result()
+        assert c.generate("Say hello.", max_new_tokens=4).token_ids  # served again once there is room
+    assert cfg.draft is None
+
+
+def test_unknown_application_is_not_found(small_app):
+    from calid.client.errors import CalidAPIError
+
+    with Client(f"127.0.0.1:{small_app.grpc_port}", app="nope", timeout=30, retries=0) as c:
+        with pytest.raises(CalidAPIError) as e:
+            c.generate("hi")
+    assert e.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)

@@ -1,0 +1,50 @@
+"""Wire request -> GenerationRequest: defaults, and one clear error naming each bad field."""
+from __future__ import annotations
+
+import pytest
+
+from calid.client.sdk import build_request
+from calid.decoding.modes import DecodeParams
+from calid.errors import InvalidRequestError
+from serve_app import protocol
+
+
+class _Tok:
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        class R:
+            input_ids = [ord(c) % 50 for c in text]
+        return R()
+
+
+DEFAULT = DecodeParams(mode="speculative", gamma=8, threshold=0.4)
+
+
+def test_defaults_fill_unset_fields():
+    req = protocol.to_request(build_request("hi there"), _Tok(), DEFAULT)
+    assert req.params.max_new_tokens == 128 and req.params.temperature == 0.0 and req.params.seed is None
+    assert req.decode == DEFAULT
+    req = protocol.to_request(build_request("hi", mode="filter", threshold=0.9, gamma=3, seed=7, top_k=5), _Tok(),
+                              DEFAULT)
+    assert (req.decode.mode, req.decode.threshold, req.decode.gamma) == ("filter", pytest.approx(0.9), 3)
+    assert (req.params.seed, req.params.top_k) == (7, 5)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"prompt": ""}, "prompt"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"mode": "warp-speed"}, "mode"),
+    ({"gamma": 0}, "gamma"),
+    ({"threshold": 1.5}, "threshold"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "y"}, "prompt or messages"),
+    ({"stop": ["s"] * 17}, "stop"),
+])
+def test_bad_fields_are_named(kw, field):
+    kw.setdefault("prompt", "hello" if "messages" not in kw else None)
+    with pytest.raises(InvalidRequestError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        protocol.to_request(build_request(**kw), _Tok(), DEFAULT)

@@ -1,0 +1,31 @@
+"""Deployment config checks at the edge."""
+from __future__ import annotations
+
+import pytest
+
+from serve_app.config import AppConfig, ConfigError, check_resources, load_config
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"dtype": "fp8"}, "dtype"),
+    ({"device": "tpu"}, "device"),
+    ({"device": "cuda"}, "target_num_gpus"),
+    ({"default_mode": "fast"}, "default_mode"),
+    ({"draft": None, "default_mode": "speculative"}, "needs a draft"),
+    ({"draft": "self:x"}, "self:N"),
+    ({"max_active": 0}, "max_active"),
+    ({"target_scaling": {"min_replicas": 3, "max_replicas": 2}}, "max_replicas"),
+    ({"no_such_field": 1}, "no_such_field"),
+])
+def test_bad_config_is_refused_with_the_field(args, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(args)
+
+
+def test_resources_must_fit_the_cluster():
+    cfg = AppConfig(target_num_gpus=1, device="cuda", target_scaling={"min_replicas": 2, "max_replicas": 2})
+    with pytest.raises(ConfigError, match="GPU: need 2, cluster has 1"):
+        check_resources(cfg, {"CPU": 16.0, "GPU": 1.0})
+    check_resources(AppConfig(), {"CPU": 2.0})  # defaults fit this 2-core machine
+    with pytest.raises(ConfigError, match="draft_node"):
+        check_resources(AppConfig(draft_resources={"draft_node": 1}), {"CPU": 8.0})
