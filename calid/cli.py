@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ar.add_parser(bsub)
     bench_decode.add_parser(bsub)
     bench_trees.add_parsers(bsub)
+    from calid.bench import sarathi as bench_sarathi
+
+    bench_sarathi.add_parser(bsub)
     _server_cli_module("serve_app.bench").add_parser(bsub)
     return parser
 
@@ -105,6 +108,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive", action="store_true", help="LLMCad-style self-adaptive threshold")
     p.add_argument("--tree-width", type=int, default=3, help="tree: tokens tried where the draft is unsure")
     p.add_argument("--tree-chains", type=int, default=1, help="tree: draft chains merged by common prefix (SpecInfer)")
+    p.add_argument("--extra-draft", action="append", default=[],
+                   help="tree: another drafter (model spec or self:N) whose greedy chain is merged into each tree "
+                        "(repeatable)")
 
 
 def decode_params(args):
@@ -116,20 +122,27 @@ def decode_params(args):
                         tree_chains=args.tree_chains).validate()
 
 
-def build_engine(target_lm, draft_spec: str | None, dtype: str, device: str, max_batch: int = 8):
-    """Engine over a loaded target and an optional draft (a model spec, or self:N)."""
-    from calid.engine import Engine
+def build_engine(target_lm, draft_spec: str | None, dtype: str, device: str, max_batch: int = 8,
+                 extra_specs: list[str] | tuple = ()):
+    """Engine over a loaded target, an optional draft and extra tree drafters (model specs, or self:N)."""
+    from calid.engine import Engine, check_pair
     from calid.models.loader import load_model
     from calid.models.self_draft import parse_self_draft, self_draft
     from calid.runtime.runner import ModelRunner
 
-    layers = parse_self_draft(draft_spec) if draft_spec else None
-    if layers is not None:
-        draft = ModelRunner(self_draft(target_lm.model, layers))
-        return Engine(ModelRunner(target_lm.model), target_lm.tokenizer, target_lm.eos_ids, draft=draft,
-                      max_batch=max_batch)
-    draft_lm = load_model(draft_spec, dtype, device) if draft_spec else None
-    return Engine.from_loaded(target_lm, draft_lm, max_batch=max_batch)
+    def runner(spec: str) -> ModelRunner:
+        layers = parse_self_draft(spec)
+        if layers is not None:
+            return ModelRunner(self_draft(target_lm.model, layers))
+        lm = load_model(spec, dtype, device)
+        check_pair(target_lm, lm)
+        return ModelRunner(lm.model)
+
+    if extra_specs and not draft_spec:
+        raise CalidError("--extra-draft needs a main --draft")
+    return Engine(ModelRunner(target_lm.model), target_lm.tokenizer, target_lm.eos_ids,
+                  draft=runner(draft_spec) if draft_spec else None, max_batch=max_batch,
+                  extra_drafts=[runner(s) for s in extra_specs])
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -180,7 +193,8 @@ def cmd_generate(args) -> int:
         raise CalidError("prompt is empty")
     params, decode = sampling_params(args), decode_params(args)  # fail on bad flags before loading anything
     lm = load_model(args.model, args.dtype, args.device)
-    engine = build_engine(lm, args.draft if decode.uses_draft else None, args.dtype, args.device)
+    engine = build_engine(lm, args.draft if decode.uses_draft else None, args.dtype, args.device,
+                          extra_specs=args.extra_draft if decode.mode == "tree" else ())
     request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params, decode=decode)
     for event in engine.stream([request]):
         sys.stdout.write(event.text)

@@ -35,19 +35,23 @@ __all__ = ["Engine", "EngineConfigError"]
 class Engine:
     def __init__(self, target: ModelRunner, tokenizer, eos_ids: frozenset[int], draft: ModelRunner | None = None,
                  max_batch: int = 8, default_decode: DecodeParams | None = None,
-                 lookahead: LookaheadConfig | None = None, shared_trie: bool = True):
-        if draft is not None and draft.vocab_size != target.vocab_size:
-            raise EngineConfigError(
-                f"draft and target have different vocabularies ({draft.vocab_size} vs {target.vocab_size} tokens); "
-                "a draft must share the target's tokenizer"
-            )
+                 lookahead: LookaheadConfig | None = None, shared_trie: bool = True,
+                 extra_drafts: list[ModelRunner] | tuple = (), max_forward_tokens: int | None = None):
+        for d in [draft, *extra_drafts]:
+            if d is not None and d.vocab_size != target.vocab_size:
+                raise EngineConfigError(
+                    f"draft and target have different vocabularies ({d.vocab_size} vs {target.vocab_size} tokens); "
+                    "a draft must share the target's tokenizer"
+                )
+        if extra_drafts and draft is None:
+            raise EngineConfigError("extra drafters merge into the main draft's trees; give a main draft first")
         self.target, self.draft = target, draft
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.max_batch = max_batch
         self.max_position = target.model.cfg.max_position
         self.orchestrator = Orchestrator(tokenizer, eos_ids, self.max_position, draft is not None, default_decode)
-        self.verifier = TargetWorker(target, lookahead, shared_trie)
-        self.drafter = DraftWorker(draft, eos_ids) if draft is not None else None
+        self.verifier = TargetWorker(target, lookahead, shared_trie, max_forward_tokens)
+        self.drafter = DraftWorker(draft, eos_ids, extra_drafts) if draft is not None else None
 
     @classmethod
     def from_loaded(cls, target, draft=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
@@ -84,6 +88,16 @@ class Engine:
                 self._release(orch.finished())
         finally:  # a consumer that stops early (client gone) frees every cache it held
             self._release([orch.finish(rid) for rid in list(orch.active)])
+
+    def submit(self, req: GenerationRequest) -> None:
+        """Admit one request now (step-level driving: submit, then call ``step`` repeatedly)."""
+        self.orchestrator.start(self.orchestrator.validate(req))
+
+    def step(self) -> list[StreamEvent]:
+        """One decoding step over every submitted, unfinished request; finished ones are freed."""
+        events = list(self._step(list(self.orchestrator.active.values())))
+        self._release(self.orchestrator.finished())
+        return events
 
     # ---- one step -------------------------------------------------------------
 

@@ -63,6 +63,7 @@ class DecodeStats:
     draft_tokens: int = 0
     target_tokens: int = 0
     target_calls: int = 0
+    prefill_chunks: int = 0  # target forwards that only prefilled part of the prompt (SARATHI)
     draft_calls: int = 0
     verifications: int = 0
     accepted_total: int = 0
@@ -141,6 +142,7 @@ class RequestState:
         self.stream = TextStream(tokenizer, req.params.stop)
         self.start, self.first_token_at = start, None
         self.finish_reason: str | None = None
+        self.prefilling = False  # the target is part-way through this prompt (chunked prefill)
         self.stats = DecodeStats()
         self.set_threshold(req.decode.threshold if req.decode else 0.0)
 

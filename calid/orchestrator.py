@@ -75,7 +75,8 @@ class Orchestrator:
 
     def draft_tasks(self, states: list[RequestState]) -> list[DraftTask]:
         return [DraftTask(s.req.request_id, s.token_ids, s.req.decode, s.req.params.warp, s.confidence.nll,
-                          self._draft_budget(s), _rng(s)) for s in states if s.req.decode.uses_draft]
+                          self._draft_budget(s), _rng(s)) for s in states
+                if s.req.decode.uses_draft and not s.prefilling]  # a draft is wasted while the target prefills
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
@@ -101,6 +102,10 @@ class Orchestrator:
             if s is None:  # cancelled while the target worked
                 continue
             _set_rng(s, v.rng)
+            s.prefilling = not v.tokens  # the target only prefilled a chunk of the prompt (SARATHI)
+            if s.prefilling:
+                s.stats.prefill_chunks += 1
+                continue
             s.stats.target_calls += 1
             s.stats.record_verification(v.proposed, v.accepted, v.verifying)
             self._adapt(s, v.accepted, v.proposed)

@@ -83,6 +83,11 @@ def run(args) -> int:
                 progress(len(modes) * (2 * n + 2), "bench serve", "run") as bar:
             c.generate(texts[0], max_new_tokens=4, raw_prompt=False)  # warm-up both paths
             engine.generate([GenerationRequest(ids[0], SamplingParams(max_new_tokens=4))])
+            rtt = []
+            for _ in range(30):  # the floor of any call: client -> Serve gRPC proxy -> router replica -> back
+                t = time.perf_counter()
+                c.health()
+                rtt.append((time.perf_counter() - t) * 1000)
             for mode in modes:
                 decode = DecodeParams(mode=mode)
                 over, ingress, per_step, same, t_grpc, t_local = [], [], [], 0, 0.0, 0.0
@@ -135,11 +140,13 @@ def run(args) -> int:
     finally:
         shutdown()
     meta = {"target": cfg.target, "draft": cfg.draft, "new_tokens": new, "bandwidth_GBps": round(bandwidth, 1),
+            "health_rtt_ms_p50": round(_p50(rtt), 1),
             "target_weight_bytes_per_step": target.decode_read_bytes}
     notes = [
         "ratio = in-process time / gRPC time (1.0 = serving costs nothing; < 1 = serving is slower)",
         "overhead_ms_p50 = per-request gRPC latency - in-process latency (concurrency C: whole burst)",
-        "ingress_ms_p50 = client latency - the router's own request time (gRPC proxy, admission, response)",
+        "ingress_ms_p50 = client latency - the router's own request time (gRPC proxy, admission, response); "
+        f"a Health call (no work at all) takes {_p50(rtt):.1f} ms p50 through the same proxy",
         "per_step_ms_p50 = (router time - in-process time) / decoding steps: the cost of the draft and target calls",
         f"limit = bandwidth {bandwidth:.1f} GB/s / target weight bytes per step {target.decode_read_bytes / 1e9:.2f} GB "
         "(x concurrency for a batch that reads the weights once per step)",

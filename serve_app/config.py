@@ -51,6 +51,8 @@ class AppConfig(BaseModel):
     queue_capacity: int = Field(64, ge=0, description="admitted requests waiting for a slot; more -> RESOURCE_EXHAUSTED")
     affinity_groups: int = Field(2, ge=1, description="request groups per router, each sticky to one worker replica")
     kv_budget_mb: int | None = Field(2048, ge=1)
+    max_forward_tokens: int | None = Field(256, ge=1, description="SARATHI: token budget of one target forward; "
+                                           "long prompts are prefilled in chunks beside the running decodes")
     request_timeout_s: float = Field(600.0, gt=0)
     worker_call_retries: int = Field(8, ge=0, description="retries of a failed draft/target call (backoff 0.2 s doubling, at most 2 s; ~11 s in all, enough for a replica restart) before UNAVAILABLE")
     router_num_cpus: float = Field(0.1, ge=0)

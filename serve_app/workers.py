@@ -130,7 +130,7 @@ class TargetDeployment(_WorkerBase):
         self._setup(config)
         lm = load_model(self.cfg.target, self.cfg.dtype, self.cfg.device, show_progress=False)
         self._runner = ModelRunner(lm.model, self._kv_budget)
-        self.worker = TargetWorker(self._runner)
+        self.worker = TargetWorker(self._runner, max_forward_tokens=self.cfg.max_forward_tokens)
 
     async def verify(self, tasks: list, report: dict | None = None) -> list:
         return await self._call(self._verify_batch, tasks, report)

@@ -46,6 +46,9 @@ def add_parsers(sub) -> None:
     tr.add_argument("--code", type=int, default=3, help="HumanEval prompts (default 3)")
     tr.add_argument("--mtbench", type=int, default=1)
     tr.add_argument("--max-new-tokens", type=int, default=96)
+    tr.add_argument("--extra-draft", default="self:14",
+                    help="second drafter merged into trees for the multi-drafter row (default self:14: the target's "
+                         "first 14 of 28 layers); 'none' to skip")
     tr.add_argument("--full", action="store_true", help="40 HumanEval + 20 MT-bench prompts, 256 tokens")
     tr.add_argument("--out", default="bench_results")
     tr.set_defaults(func=run_tree)
@@ -139,6 +142,11 @@ def run_tree(args) -> int:
     print(f"bench tree: target {target.name}, draft {args.draft}; {n_code} HumanEval + {n_mt} MT-bench prompts; "
           f"{max_new} new tokens; greedy", file=sys.stderr)
     tallies = run_configs(engine, target.tokenizer, prompts, cfgs, "bench tree")
+    if args.extra_draft != "none":  # SpecInfer with two drafters: the draft model's tree + a self-draft chain
+        multi = build_engine(target, args.draft, "fp32", "cpu", max_batch=1, extra_specs=[args.extra_draft])
+        name = f"tree gamma=8 width=2 t=0.4 + {args.extra_draft} chain merged"
+        cfgs.append((name, DecodeParams(mode="tree", gamma=8, threshold=0.4, tree_width=2)))
+        tallies |= run_configs(multi, target.tokenizer, prompts, cfgs[-1:], "bench tree (two drafters)")
     rows = _rows_per_kind(cfgs, tallies, prompts, engine, ["all"])
     best_chain = max(r["tok_s"] for r in rows if r["config"].startswith("speculative"))
     best_tree = max(r["tok_s"] for r in rows if r["config"].startswith("tree"))

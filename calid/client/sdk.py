@@ -77,6 +77,15 @@ class _Base:
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
+    def _call_args(self, timeout: float | None, request_id: str | None) -> dict:
+        return {"timeout": self._deadline(timeout), "metadata": self._metadata(request_id)}
+
+    def _backoff(self, e: grpc.RpcError, attempt: int, request_id: str | None, started: bool = False) -> float:
+        """Seconds to wait before retrying ``e``; raises the typed error when it must not be retried."""
+        if started or e.code() not in RETRY_CODES or attempt == self.retries:
+            raise from_rpc_error(e, request_id) from None
+        return self.backoff_s * 2**attempt
+
 
 class Client(_Base):
     """Blocking client."""
@@ -98,11 +107,9 @@ class Client(_Base):
     def _unary(self, method, msg, timeout: float | None, request_id: str | None = None):
         for attempt in range(self.retries + 1):
             try:
-                return method(msg, timeout=self._deadline(timeout), metadata=self._metadata(request_id))
+                return method(msg, **self._call_args(timeout, request_id))
             except grpc.RpcError as e:
-                if e.code() not in RETRY_CODES or attempt == self.retries:
-                    raise from_rpc_error(e, request_id) from None
-                time.sleep(self.backoff_s * 2**attempt)
+                time.sleep(self._backoff(e, attempt, request_id))
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
         msg = build_request(prompt, **kw)
@@ -111,8 +118,7 @@ class Client(_Base):
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
         msg = build_request(prompt, **kw)
         for attempt in range(self.retries + 1):
-            call = self._stub.GenerateStream(msg, timeout=self._deadline(timeout),
-                                             metadata=self._metadata(msg.request_id))
+            call = self._stub.GenerateStream(msg, **self._call_args(timeout, msg.request_id))
             started = False
             try:
                 for c in call:
@@ -120,9 +126,7 @@ class Client(_Base):
                     yield _chunk(c)
                 return
             except grpc.RpcError as e:
-                if started or e.code() not in RETRY_CODES or attempt == self.retries:
-                    raise from_rpc_error(e, msg.request_id) from None
-                time.sleep(self.backoff_s * 2**attempt)
+                time.sleep(self._backoff(e, attempt, msg.request_id, started))
             finally:
                 call.cancel()  # a consumer that stops early tells the server to free the request
 
@@ -153,11 +157,9 @@ class AsyncClient(_Base):
     async def _unary(self, method, msg, timeout: float | None, request_id: str | None = None):
         for attempt in range(self.retries + 1):
             try:
-                return await method(msg, timeout=self._deadline(timeout), metadata=self._metadata(request_id))
+                return await method(msg, **self._call_args(timeout, request_id))
             except grpc.RpcError as e:
-                if e.code() not in RETRY_CODES or attempt == self.retries:
-                    raise from_rpc_error(e, request_id) from None
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await asyncio.sleep(self._backoff(e, attempt, request_id))
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
         msg = build_request(prompt, **kw)
@@ -166,8 +168,7 @@ class AsyncClient(_Base):
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[Chunk]:
         msg = build_request(prompt, **kw)
         for attempt in range(self.retries + 1):
-            call = self._stub.GenerateStream(msg, timeout=self._deadline(timeout),
-                                             metadata=self._metadata(msg.request_id))
+            call = self._stub.GenerateStream(msg, **self._call_args(timeout, msg.request_id))
             started = False
             try:
                 async for c in call:
@@ -175,9 +176,7 @@ class AsyncClient(_Base):
                     yield _chunk(c)
                 return
             except grpc.RpcError as e:
-                if started or e.code() not in RETRY_CODES or attempt == self.retries:
-                    raise from_rpc_error(e, msg.request_id) from None
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await asyncio.sleep(self._backoff(e, attempt, msg.request_id, started))
             finally:
                 call.cancel()
 

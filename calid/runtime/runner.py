@@ -57,6 +57,10 @@ class ModelRunner:
     def cached_length(self, seq_id: Hashable) -> int:
         return len(self.caches.get(seq_id)) if seq_id in self.caches else 0
 
+    def cached_prefix(self, seq_id: Hashable, token_ids: list[int]) -> int:
+        """How many leading ``token_ids`` the cache already holds (no change to the cache)."""
+        return self.caches.get(seq_id).common_prefix(token_ids) if seq_id in self.caches else 0
+
     def sync(self, seq_id: Hashable, token_ids: list[int], keep_at_most: int | None = None) -> list[int]:
         """Roll the cache back to its longest common prefix with ``token_ids``; return the rest.
 

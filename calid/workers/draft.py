@@ -53,15 +53,25 @@ class _Chain:
 
 
 class DraftWorker:
-    def __init__(self, runner: ModelRunner, eos_ids: frozenset[int]):
+    """Drafts with ``runner``; tree requests also merge one chain from each of the ``extra`` drafters.
+
+    Several drafters (e.g. a small sibling model and a self-draft of the target)
+    propose different continuations; SpecInfer merges them into one token tree
+    by common prefix, so one verification pass tries all of them.
+    """
+
+    def __init__(self, runner: ModelRunner, eos_ids: frozenset[int], extra: list[ModelRunner] | tuple = ()):
         self.runner = runner
         self.eos_ids = eos_ids
+        self.extra = list(extra)
         self._lanes: dict[Hashable, int] = {}  # draft chains per tree request, to free their caches
 
     def draft(self, tasks: list[DraftTask]) -> list[DraftResult]:
         chains = [_Chain(t, self.eos_ids) for t in tasks if not t.decode.is_tree]
         self._draft_chains(chains)
-        trees = self._draft_trees([t for t in tasks if t.decode.mode == "tree"])
+        tree_tasks = [t for t in tasks if t.decode.mode == "tree"]
+        stochastic = [t for t in tree_tasks if _stochastic(t)]
+        trees = self._draft_trees([t for t in tree_tasks if not _stochastic(t)]) | self._draft_stochastic(stochastic)
         by_id = {c.task.request_id: c.result() for c in chains} | trees
         return [by_id[t.request_id] for t in tasks if t.request_id in by_id]
 
@@ -70,6 +80,8 @@ class DraftWorker:
             self.runner.release(rid)
             for chain in range(1, self._lanes.pop(rid, 1)):
                 self.runner.release(_lane_id(rid, chain))
+            for k, runner in enumerate(self.extra):
+                runner.release(_extra_lane(rid, k))
 
     def _draft_chains(self, chains: list[_Chain]) -> None:
         while live := [c for c in chains if not c.done]:
@@ -122,8 +134,88 @@ class DraftWorker:
                     still.append([t, j, new_tip, unsure_so_far + unsure])
             lanes = [lane for lane in still
                      if trees[lane[0].request_id].depth[lane[2]] < min(lane[0].decode.gamma, lane[0].budget)]
+        for k, runner in enumerate(self.extra):
+            self._merge_extra_chain(runner, k, tasks, trees, forwards)
         return {t.request_id: DraftResult(t.request_id, [], None, True, trees[t.request_id], forwards[t.request_id])
                 for t in tasks}
+
+
+    def _draft_stochastic(self, tasks: list[DraftTask]) -> dict[Hashable, DraftResult]:
+        """SpecInfer trees from several samples of one draft, for sampled requests with tree_chains > 1.
+
+        The root gets ``tree_chains`` i.i.d. children drawn from the draft's warped
+        distribution q (duplicates kept apart: multi-step speculative sampling
+        needs every draw), then each chain grows one sampled token per depth
+        until its budget or an unsure step. Returned with the q row each node's
+        children were drawn from, for VerifyStochastic.
+        """
+        out = {}
+        trees = {t.request_id: TokenTree() for t in tasks}
+        q_rows: dict[Hashable, dict[int, torch.Tensor]] = {t.request_id: {} for t in tasks}
+        gens = {t.request_id: load_generator(t.rng) for t in tasks}
+        forwards = {t.request_id: 0 for t in tasks}
+        lanes = [(t, 0, -1) for t in tasks if min(t.decode.gamma, t.budget) > 0]  # (task, chain, tip)
+        for t in tasks:
+            self._lanes[t.request_id] = t.decode.tree_chains
+        while lanes:
+            inputs = []
+            for t, j, tip in lanes:
+                tree = trees[t.request_id]
+                chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
+                lane = _lane_id(t.request_id, j)
+                inputs.append(SeqInput(lane, self.runner.sync(lane, t.token_ids + chain)))
+            rows = torch.cat(self.runner.forward(inputs))  # [lanes, V]
+            _, nll = top1(rows)
+            still = []
+            for (t, j, tip), row, row_nll in zip(lanes, rows, nll.tolist()):
+                rid, tree = t.request_id, trees[t.request_id]
+                q = warp(row[None], t.warp)[0]
+                q_rows[rid][tip + 1] = q
+                draws = t.decode.tree_chains if tip < 0 else 1
+                tokens = torch.multinomial(q, draws, replacement=True, generator=gens[rid]).tolist()
+                forwards[rid] += 1
+                for c, token in enumerate(tokens):
+                    node = tree.add(token, tip, merge=False)
+                    if row_nll <= t.confidence_nll and tree.depth[node] < min(t.decode.gamma, t.budget):
+                        still.append((t, j if tip >= 0 else c, node))
+            lanes = still
+        for t in tasks:
+            rid, tree = t.request_id, trees[t.request_id]
+            q = torch.zeros(len(tree) + 1, self.runner.vocab_size)  # [n+1, V]
+            for row, dist in q_rows[rid].items():
+                q[row] = dist
+            out[rid] = DraftResult(rid, [], q, True, tree, forwards[rid], save_generator(gens[rid]))
+        return out
+
+    @staticmethod
+    def _merge_extra_chain(runner: ModelRunner, k: int, tasks: list[DraftTask], trees: dict, forwards: dict) -> None:
+        """Grow one greedy chain per request with drafter ``k`` (dynamic length), merged into its tree."""
+        live = [(t, -1) for t in tasks if min(t.decode.gamma, t.budget) > 0]
+        while live:
+            inputs = []
+            for t, tip in live:
+                tree = trees[t.request_id]
+                chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
+                lane = _extra_lane(t.request_id, k)
+                inputs.append(SeqInput(lane, runner.sync(lane, t.token_ids + chain)))
+            rows = torch.cat(runner.forward(inputs))  # [B, V]
+            best, nll = top1(rows)
+            still = []
+            for (t, tip), token, row_nll in zip(live, best.tolist(), nll.tolist()):
+                tree = trees[t.request_id]
+                node = tree.add(token, tip)  # joins an existing branch when the drafters agree
+                forwards[t.request_id] += 1
+                if row_nll <= t.confidence_nll and tree.depth[node] < min(t.decode.gamma, t.budget):
+                    still.append((t, node))
+            live = still
+
+
+def _stochastic(t: DraftTask) -> bool:
+    return not t.warp.greedy and t.decode.tree_chains > 1
+
+
+def _extra_lane(request_id: Hashable, k: int) -> Hashable:
+    return (request_id, "extra", k)
 
 
 def _lane_id(request_id: Hashable, chain: int) -> Hashable:

@@ -19,14 +19,24 @@ import torch
 from calid.decoding.acceptance import RuleInput, get_rule
 from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
 from calid.decoding.sampling import warp
-from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled
+from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled, verify_stochastic
 from calid.runtime.runner import ModelRunner, SeqInput
 from calid.workers.messages import VerifyResult, VerifyTask, load_generator, save_generator
 
 
+MIN_CHUNK = 32  # a prefill chunk is never smaller than this, so a long prompt always progresses
+
+
 class TargetWorker:
-    def __init__(self, runner: ModelRunner, lookahead: LookaheadConfig | None = None, shared_trie: bool = True):
+    """``max_forward_tokens`` (SARATHI): the token budget of one forward. Decodes and verifications
+    always run (decode-maximal batching); the budget left over is filled with chunks of the
+    prompts still being prefilled, so a long new prompt never stalls the running requests.
+    None: no budget, every prompt is prefilled in one forward."""
+
+    def __init__(self, runner: ModelRunner, lookahead: LookaheadConfig | None = None, shared_trie: bool = True,
+                 max_forward_tokens: int | None = None):
         self.runner = runner
+        self.max_forward_tokens = max_forward_tokens
         self.lookahead_cfg = lookahead or LookaheadConfig()
         self.shared_trie = shared_trie
         self._global = LookaheadTrie(self.lookahead_cfg)
@@ -78,11 +88,40 @@ class TargetWorker:
                                        if t.budget > 0 else TokenTree())
             elif t.decode.is_tree:
                 trees[t.request_id] = t.tree or TokenTree()
-        inputs = [self._tree_input(t, trees[t.request_id]) if t.request_id in trees else self._chain_input(t)
-                  for t in tasks]
+        chunks = self._plan_chunks(tasks, trees)
+        inputs = [self._chunk_input(t, chunks[t.request_id]) if t.request_id in chunks
+                  else self._tree_input(t, trees[t.request_id]) if t.request_id in trees
+                  else self._chain_input(t) for t in tasks]
         out = self.runner.forward(inputs)
-        return [self._tree_verdict(t, trees[t.request_id], rows) if t.request_id in trees
+        return [VerifyResult(t.request_id, [], 0, 0, False, t.rng) if t.request_id in chunks
+                else self._tree_verdict(t, trees[t.request_id], rows) if t.request_id in trees
                 else self._chain_verdict(t, rows) for t, rows in zip(tasks, out)]
+
+    def _plan_chunks(self, tasks: list[VerifyTask], trees: dict) -> dict[Hashable, int]:
+        """SARATHI: how many prompt tokens each over-budget task prefills this forward (absent: all of its work)."""
+        if self.max_forward_tokens is None:
+            return {}
+
+        def uncached(t: VerifyTask) -> int:  # committed ids the cache lacks (the last one is always fed)
+            keep = min(self.runner.cached_prefix(t.request_id, t.token_ids), len(t.token_ids) - 1)
+            return len(t.token_ids) - keep
+
+        work = {t.request_id: (uncached(t), len(trees[t.request_id]) if t.request_id in trees else len(t.draft))
+                for t in tasks}
+        left, chunks = self.max_forward_tokens, {}
+        for t in sorted(tasks, key=lambda t: work[t.request_id][0]):  # decodes first, longest prompts last
+            prompt, draft = work[t.request_id]
+            if prompt + draft <= left or prompt <= MIN_CHUNK:
+                left -= prompt + draft
+            else:
+                chunks[t.request_id] = max(left, MIN_CHUNK)
+                left -= chunks[t.request_id]
+        return chunks
+
+    def _chunk_input(self, t: VerifyTask, n: int) -> SeqInput:
+        """The next ``n`` uncached committed tokens of ``t``, no draft: a prefill chunk."""
+        suffix = self.runner.sync(t.request_id, t.token_ids, keep_at_most=len(t.token_ids) - 1)
+        return SeqInput(t.request_id, suffix[:n])
 
     def _chain_input(self, t: VerifyTask) -> SeqInput:
         g, committed = len(t.draft), t.token_ids
@@ -120,6 +159,8 @@ class TargetWorker:
         generator = load_generator(t.rng)
         if t.warp.greedy:
             verdict = verify_greedy(tree, rows.argmax(-1).tolist())
+        elif t.q is not None:  # i.i.d. sampled children (SpecInfer): multi-step speculative sampling
+            verdict = verify_stochastic(tree, warp(rows, t.warp), t.q, generator)
         else:
             verdict = verify_sampled(tree, warp(rows, t.warp), generator)
         committed = len(t.token_ids)

@@ -92,3 +92,50 @@ def test_lookahead_on_a_summarization_style_prompt_accepts_copied_spans(smol):
     la = eng.generate(reqs("lookahead"))[0]
     assert la.output_ids == ar.output_ids
     assert la.stats.mean_accepted >= 1.0  # effective decoding length >= 2 tokens per target forward
+
+
+def test_trees_merged_from_two_drafters_are_lossless_and_use_both(smol, prompts, target_greedy):
+    """SpecInfer with several drafters: self:10 (main, with its top-k branches) and self:20 chains merged."""
+    from calid.workers.messages import DraftTask
+
+    main, extra = ModelRunner(self_draft(smol.model, 10)), ModelRunner(self_draft(smol.model, 20))
+    engine = Engine(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids, draft=main, extra_drafts=[extra])
+    decode = DecodeParams(mode="tree", gamma=6, threshold=0.6, tree_width=2)
+    reqs = [GenerationRequest(encode_prompt(smol.tokenizer, p), SamplingParams(max_new_tokens=N), decode=decode)
+            for p in prompts]
+    assert [r.output_ids for r in engine.generate(reqs)] == target_greedy
+    assert len(extra.caches) == 0 and len(main.caches) == 0  # every drafter's lanes were freed
+
+    ids = encode_prompt(smol.tokenizer, prompts[0])
+    task = DraftTask("probe", ids, decode, SamplingParams().warp, 0.51, budget=6)
+    merged = engine.drafter.draft([task])[0].tree
+    alone = Engine(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids, draft=main).drafter.draft([task])[0].tree
+    assert merged.tokens[: len(alone)] == alone.tokens  # the main drafter's tree, plus...
+    from calid.workers import DraftWorker
+
+    first = DraftWorker(ModelRunner(self_draft(smol.model, 20)), smol.eos_ids).draft(
+        [DraftTask("p2", ids, DecodeParams(mode="speculative", gamma=1, threshold=0.0), SamplingParams().warp,
+                   float("inf"), budget=1)])[0].tokens[0]
+    assert first in [merged.tokens[i] for i in merged.children(-1)]  # ...the extra drafter's own first token
+
+
+@pytest.mark.parametrize("mode", ["ar", "speculative", "lookahead"])
+def test_chunked_prefill_output_is_identical_to_unchunked(smol, prompts, mode):
+    """SARATHI: a long prompt prefilled in 48-token chunks beside two running short requests."""
+    long_prompt = " ".join(f"Item {i}: the value of item {i} is {i * i}." for i in range(40)) + " What is item 7?"
+    texts = [long_prompt] + list(prompts[:2])
+    draft = ModelRunner(self_draft(smol.model, 10))
+
+    def generate(budget):
+        engine = Engine(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids, draft=draft,
+                        max_forward_tokens=budget)
+        reqs = [GenerationRequest(encode_prompt(smol.tokenizer, t), SamplingParams(max_new_tokens=16),
+                                  decode=DecodeParams(mode=mode)) for t in texts]
+        return engine.generate(reqs)
+
+    whole, chunked = generate(None), generate(48)
+    assert len(encode_prompt(smol.tokenizer, long_prompt)) > 400
+    assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
+    assert chunked[0].stats.prefill_chunks >= 8 and whole[0].stats.prefill_chunks == 0
+    # the short requests decode while the long prompt is still being prefilled
+    assert max(chunked[1].ttft_s, chunked[2].ttft_s) < chunked[0].ttft_s

@@ -154,3 +154,16 @@ def test_unknown_application_is_not_found(small_app):
         with pytest.raises(CalidAPIError) as e:
             c.generate("hi")
     assert e.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+
+
+def test_calid_client_cli(small_app, capsys):
+    from calid.cli import main
+
+    address = f"127.0.0.1:{small_app.grpc_port}"
+    assert main(["client", "Say hello.", "--address", address, "--max-new-tokens", "6", "--mode", "filter"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "[filter: " in err and "from draft" in err
+    assert main(["client", "--models", "--address", address]) == 0
+    assert "target  smollm2-135m-instruct" in capsys.readouterr().out
+    assert main(["client", "Say hello.", "--address", address, "--temperature", "-2"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err

@@ -48,3 +48,12 @@ def test_bad_decode_flags(argv, message, capsys):
 def test_bad_tree_width(capsys):
     assert main(["generate", "hi", "--mode", "tree", "--tree-width", "0"]) == 2
     assert "tree_width must be an integer in [1, 16]" in capsys.readouterr().err
+
+
+def test_client_without_a_server_is_one_line(capsys):
+    from calid.cli import main
+
+    assert main(["client", "hi", "--address", "127.0.0.1:9", "--timeout", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("calid: error: no calid server answers at 127.0.0.1:9 (start one with: calid serve)")
+    assert err.count("\n") == 1

@@ -1,0 +1,46 @@
+"""cluster.yaml passes Ray's own autoscaler schema; its Serve config places roles on its node types."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cluster_yaml_is_a_valid_ray_cluster_config():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))  # what `ray up` does first; raises on any schema violation
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    assert types["target_gpu"]["resources"] == {"target_node": 1} and types["draft_cpu"]["resources"] == {"draft_node": 1}
+    assert all(t["min_workers"] <= t["max_workers"] for name, t in types.items() if name != "head")
+
+
+def test_cluster_serve_config_targets_the_node_types():
+    from ray.serve.schema import ServeDeploySchema
+
+    from serve_app.config import check_resources, load_config
+
+    doc = yaml.safe_load((ROOT / "serve_app/calid_cluster.yaml").read_text())
+    (app,) = ServeDeploySchema(**doc).applications
+    cfg = load_config(app.args)
+    assert set(cfg.target_resources) == {"target_node"} and set(cfg.draft_resources) == {"draft_node"}
+    # the minimum cluster of cluster.yaml (head + one node of each type) holds the minimum replicas
+    check_resources(cfg, {"CPU": 8 + 16 + 8, "GPU": 1, "target_node": 1, "draft_node": 1})
+
+
+def test_the_schema_check_catches_a_broken_config():
+    import copy
+
+    import jsonschema
+    import pytest
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    broken = copy.deepcopy(config)
+    broken["available_node_types"]["target_gpu"]["min_wokers"] = 1  # a typo Ray must refuse
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(broken))
