@@ -1,0 +1,1 @@
+"""Ray actors: target shards and the tensor-parallel target group behind one target replica."""

@@ -59,6 +59,8 @@ class AppConfig(BaseModel):
     draft_num_cpus: float = Field(0.5, ge=0)
     target_num_cpus: float = Field(0.5, ge=0)
     target_num_gpus: float = Field(0.0, ge=0)
+    target_tp: int = Field(1, ge=1, le=64, description="tensor-parallel shards per target replica (actors/group.py); "
+                           "each shard is an actor with target_num_cpus / target_num_gpus")
     worker_threads: int | None = Field(None, ge=1, description="torch threads per worker replica (None: all cores; "
                                        "Ray would otherwise limit a fractional-CPU replica to 1)")
     draft_resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {draft_node: 0.01}")
@@ -118,7 +120,14 @@ def check_models(cfg: AppConfig) -> dict:
             raise ConfigError(f"draft {cfg.draft} and target {cfg.target} have different tokenizers "
                               f"({d_vocab} vs {t_vocab} tokens); a draft must share the target's vocabulary")
         facts["draft"] = (draft, ModelConfig.from_dir(draft.path))
-    elif cfg.draft is not None:
+    if cfg.target_tp > 1:
+        from calid.parallel.tp import ParallelConfigError, check_tensor_parallel
+
+        try:
+            check_tensor_parallel(facts["target"][1], cfg.target_tp)
+        except ParallelConfigError as e:
+            raise ConfigError(f"target_tp={cfg.target_tp} does not fit {cfg.target}: {e}") from None
+    if cfg.draft is not None and parse_self_draft(cfg.draft) is not None:
         layers, total = parse_self_draft(cfg.draft), facts["target"][1].num_layers
         if not 1 <= layers <= total:
             raise ConfigError(f"self-draft layers must be in [1, {total}] for {cfg.target}, got {cfg.draft}")
@@ -128,7 +137,9 @@ def check_models(cfg: AppConfig) -> dict:
 def check_resources(cfg: AppConfig, cluster: dict[str, float]) -> None:
     """The cluster must hold the minimum replicas of every deployment (``cluster``: ray.cluster_resources())."""
     need: dict[str, float] = {"CPU": cfg.router_num_cpus}
-    roles = [("target", cfg.target_scaling, cfg.target_num_cpus, cfg.target_num_gpus, cfg.target_resources)]
+    shards = cfg.target_tp if cfg.target_tp > 1 else 0  # a sharded replica also needs its shard actors
+    roles = [("target", cfg.target_scaling, cfg.target_num_cpus * (1 + shards), cfg.target_num_gpus * max(1, shards),
+              cfg.target_resources)]
     if cfg.draft is not None:
         roles.append(("draft", cfg.draft_scaling, cfg.draft_num_cpus, 0.0, cfg.draft_resources))
     for _, scaling, cpus, gpus, custom in roles:

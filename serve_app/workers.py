@@ -89,8 +89,11 @@ class _WorkerBase:
 
     async def stats(self) -> dict:
         """Counters for tests and the demo: batches run, the largest batch, live KV caches."""
-        return {"batches": self._batches, "max_batch": self._max_batch, "cached": len(self._runner.caches),
-                "pending": self._pending}
+        cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
+        return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending}
+
+    def _cached(self) -> int:
+        return len(self._runner.caches)
 
     async def _call(self, batch_fn, tasks: list, report: dict | None) -> list:
         await self._enter(report)
@@ -128,9 +131,26 @@ class TargetDeployment(_WorkerBase):
 
     def __init__(self, config):
         self._setup(config)
-        lm = load_model(self.cfg.target, self.cfg.dtype, self.cfg.device, show_progress=False)
+        cfg = self.cfg
+        if cfg.target_tp > 1:  # the model lives in tp shard actors; this replica drives them
+            from actors.group import TargetGroup
+
+            self.worker = TargetGroup(cfg.target, cfg.target_tp, cfg.dtype, cfg.device, cfg.target_num_cpus,
+                                      cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads)
+            self.worker.cached()  # build the group now, so the replica is ready when Serve says so
+            return
+        lm = load_model(cfg.target, cfg.dtype, cfg.device, show_progress=False)
         self._runner = ModelRunner(lm.model, self._kv_budget)
-        self.worker = TargetWorker(self._runner, max_forward_tokens=self.cfg.max_forward_tokens)
+        self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)
+
+    def _cached(self) -> int:
+        return self.worker.cached() if self.cfg.target_tp > 1 else len(self._runner.caches)
+
+    async def shard_pids(self) -> list[int]:
+        """Process ids of this replica's tensor-parallel shards (empty when unsharded)."""
+        if self.cfg.target_tp == 1:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.pids)
 
     async def verify(self, tasks: list, report: dict | None = None) -> list:
         return await self._call(self._verify_batch, tasks, report)

@@ -110,14 +110,7 @@ class DraftWorker:
                 lanes.append([t, 0, -1, 0])
                 self._lanes[t.request_id] = t.decode.tree_chains
         while lanes:
-            inputs = []
-            for t, j, tip, _ in lanes:
-                tree = trees[t.request_id]
-                chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
-                lane = _lane_id(t.request_id, j)
-                inputs.append(SeqInput(lane, self.runner.sync(lane, t.token_ids + chain)))
-            rows = torch.cat(self.runner.forward(inputs))  # [lanes, V]
-            _, nll = top1(rows)
+            rows, nll = _forward_tips(self.runner, [(_lane_id(t.request_id, j), t, tip) for t, j, tip, _ in lanes], trees)
             still = []
             for (t, j, tip, unsure_so_far), row, row_nll in zip(lanes, rows, nll.tolist()):
                 tree, decode = trees[t.request_id], t.decode
@@ -158,14 +151,7 @@ class DraftWorker:
         for t in tasks:
             self._lanes[t.request_id] = t.decode.tree_chains
         while lanes:
-            inputs = []
-            for t, j, tip in lanes:
-                tree = trees[t.request_id]
-                chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
-                lane = _lane_id(t.request_id, j)
-                inputs.append(SeqInput(lane, self.runner.sync(lane, t.token_ids + chain)))
-            rows = torch.cat(self.runner.forward(inputs))  # [lanes, V]
-            _, nll = top1(rows)
+            rows, nll = _forward_tips(self.runner, [(_lane_id(t.request_id, j), t, tip) for t, j, tip in lanes], trees)
             still = []
             for (t, j, tip), row, row_nll in zip(lanes, rows, nll.tolist()):
                 rid, tree = t.request_id, trees[t.request_id]
@@ -192,14 +178,8 @@ class DraftWorker:
         """Grow one greedy chain per request with drafter ``k`` (dynamic length), merged into its tree."""
         live = [(t, -1) for t in tasks if min(t.decode.gamma, t.budget) > 0]
         while live:
-            inputs = []
-            for t, tip in live:
-                tree = trees[t.request_id]
-                chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
-                lane = _extra_lane(t.request_id, k)
-                inputs.append(SeqInput(lane, runner.sync(lane, t.token_ids + chain)))
-            rows = torch.cat(runner.forward(inputs))  # [B, V]
-            best, nll = top1(rows)
+            rows, nll = _forward_tips(runner, [(_extra_lane(t.request_id, k), t, tip) for t, tip in live], trees)
+            best = rows.argmax(-1)
             still = []
             for (t, tip), token, row_nll in zip(live, best.tolist(), nll.tolist()):
                 tree = trees[t.request_id]
@@ -208,6 +188,18 @@ class DraftWorker:
                 if row_nll <= t.confidence_nll and tree.depth[node] < min(t.decode.gamma, t.budget):
                     still.append((t, node))
             live = still
+
+
+def _forward_tips(runner: ModelRunner, lanes: list[tuple], trees: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batched forward over lanes ``(lane id, task, tip node)``, each fed its tree path after the
+    committed ids; returns the rows after each tip [lanes, V] and their top-1 NLL [lanes]."""
+    inputs = []
+    for lane, t, tip in lanes:
+        tree = trees[t.request_id]
+        chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
+        inputs.append(SeqInput(lane, runner.sync(lane, t.token_ids + chain)))
+    rows = torch.cat(runner.forward(inputs))
+    return rows, top1(rows)[1]
 
 
 def _stochastic(t: DraftTask) -> bool:

@@ -29,3 +29,10 @@ def test_resources_must_fit_the_cluster():
     check_resources(AppConfig(), {"CPU": 2.0})  # defaults fit this 2-core machine
     with pytest.raises(ConfigError, match="draft_node"):
         check_resources(AppConfig(draft_resources={"draft_node": 1}), {"CPU": 8.0})
+
+
+def test_a_sharded_target_counts_its_shards():
+    cfg = AppConfig(target_tp=2, target_num_cpus=1.0, draft=None)
+    check_resources(cfg, {"CPU": 3.1})  # the replica and 2 shards, 1 CPU each, plus the router
+    with pytest.raises(ConfigError, match="CPU: need 3.1, cluster has 2"):
+        check_resources(cfg, {"CPU": 2.0})

@@ -1,0 +1,84 @@
+"""A tensor-parallel target group: ``tp`` TargetShard actors gang-scheduled in one placement group.
+
+The bundles are STRICT_PACK, so the shards share a node (tensor parallelism
+all-reduces twice per layer; it belongs inside a node). The group looks like a
+TargetWorker to its owner (``verify``, ``release``, ``cached``). A shard that
+dies takes the group down: the call raises GroupFailed, the group kills the
+other shards and frees its placement group, and the next call builds a fresh
+group. The router keeps every request's token ids, so it retries the call and
+nothing is lost.
+"""
+from __future__ import annotations
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.shard import TargetShard
+
+
+class GroupFailed(RuntimeError):
+    """A shard of the group died; the group was torn down and will be rebuilt on the next call."""
+
+
+class TargetGroup:
+    def __init__(self, target: str, tp: int, dtype: str = "fp32", device: str = "cpu", cpus_per_shard: float = 0.5,
+                 gpus_per_shard: float = 0.0, kv_budget_bytes: int | None = None,
+                 max_forward_tokens: int | None = None, threads: int | None = None, ready_timeout_s: float = 300):
+        self.spec = dict(target=target, dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes,
+                         max_forward_tokens=max_forward_tokens, threads=threads)
+        self.tp, self.bundle = tp, {"CPU": cpus_per_shard, **({"GPU": gpus_per_shard} if gpus_per_shard else {})}
+        self.ready_timeout_s = ready_timeout_s
+        self.shards: list = []
+        self.pg = None
+        self.builds = 0
+
+    def _build(self) -> None:
+        self.pg = placement_group([dict(self.bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
+        ray.get(self.pg.ready(), timeout=self.ready_timeout_s)
+        self.shards = [
+            TargetShard.options(num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
+                                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i)).remote(i, self.tp)
+            for i in range(self.tp)
+        ]
+        host, port = ray.get(self.shards[0].address.remote())
+        ray.get([s.setup.remote(host, port, **self.spec) for s in self.shards], timeout=self.ready_timeout_s)
+        self.builds += 1
+
+    def _all(self, method: str, *args):
+        if not self.shards:
+            self._build()
+        refs = [getattr(s, method).remote(*args) for s in self.shards]
+        try:
+            pending = list(refs)
+            while pending:  # a dead shard must not leave us waiting on the others, stuck in a collective
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done[0])
+            return ray.get(refs[0])
+        except RayActorError as e:
+            self.shutdown()
+            raise GroupFailed(f"a shard of the tensor-parallel target group died ({e.__class__.__name__}); "
+                              "the group was torn down and is rebuilt on the next call") from e
+
+    def verify(self, tasks: list) -> list:
+        return self._all("verify", tasks)
+
+    def release(self, request_ids: list, final_ids: dict | None = None) -> None:
+        if self.shards:
+            self._all("release", request_ids, final_ids)
+
+    def cached(self) -> int:
+        return self._all("cached")
+
+    def pids(self) -> list[int]:
+        """Process ids of the live shards, by rank (for operators and fault tests)."""
+        return ray.get([s.pid.remote() for s in self.shards]) if self.shards else []
+
+    def shutdown(self) -> None:
+        for s in self.shards:
+            ray.kill(s, no_restart=True)
+        self.shards = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

@@ -1,0 +1,1 @@
+"""Model parallelism as transformations of a loaded model (no distributed code in the model itself)."""
