@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     from calid.bench import sarathi as bench_sarathi
 
     bench_sarathi.add_parser(bsub)
+    from calid.bench import parallel as bench_parallel
+
+    bench_parallel.add_parser(bsub)
     _server_cli_module("serve_app.bench").add_parser(bsub)
     return parser
 
