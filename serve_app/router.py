@@ -20,15 +20,16 @@ import time
 import uuid
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
+from actors.group import GroupFailed
 from calid.decoding.modes import MODES
-from calid.errors import CalidError, InvalidRequestError
-from calid.generation import GenerationResult, RequestState, StreamEvent
+from calid.errors import CalidError
+from calid.generation import GenerationRequest, RequestState, StreamEvent
 from calid.models.config import ModelConfig
 from calid.models.loader import eos_token_ids, load_tokenizer
 from calid.models.source import resolve
@@ -50,7 +51,10 @@ class WorkersUnavailable(Exception):
 
 
 def _is_system_error(e: BaseException) -> bool:
-    return not isinstance(e, RayTaskError) or isinstance(e, RayActorError) or "Actor" in type(e).__name__
+    """A lost replica, actor or shard group (retrying elsewhere can help), not a bug in the worker's code."""
+    if isinstance(e, RayTaskError):
+        return isinstance(getattr(e, "cause", None), (RayActorError, GroupFailed))
+    return True
 
 
 class RequestRefused(Exception):
@@ -69,7 +73,7 @@ class _Request:
 
     client_id: str
     mode: str
-    req: object  # GenerationRequest
+    req: GenerationRequest
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seen: tuple[int, int] = (0, 0)  # draft/target tokens already counted in the rate window
 
@@ -86,7 +90,6 @@ class Router:
         self.orch = Orchestrator(self.tokenizer, eos_token_ids(source.path, self.tokenizer), self.max_position,
                                  has_draft=draft is not None)
         if self.cfg.default_mode:
-            from dataclasses import replace
             self.orch.default_decode = replace(self.orch.default_decode, mode=self.cfg.default_mode)
         self._id = uuid.uuid4().hex[:8]
         self._n = 0
