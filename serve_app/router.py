@@ -109,12 +109,11 @@ class Router:
         r = self._open(request, grpc_context)
         if r is None:
             return pb.GenerateResponse()
-        text, ids = [], []
+        ids = []
         try:
             async for item in self._events(r):
                 if isinstance(item, _Failure):
                     return self._fail(grpc_context, r, item)
-                text.append(item.text)
                 ids += item.token_ids
                 if item.result is not None:
                     return pb.GenerateResponse(request_id=r.client_id, text=item.result.text, token_ids=ids,
@@ -302,13 +301,19 @@ class Router:
         self._release(done)
 
     def _count_tokens(self, states: list[RequestState]) -> None:
+        """Add this step's new tokens to the rate window: one entry per step and kind, not per request."""
+        new = {True: [0, 0], False: [0, 0]}  # uses the draft -> [draft tokens, target tokens]
         for s in states:
             r = self._requests.get(s.req.request_id)
             if r is None:
                 continue
-            d, t = s.stats.draft_tokens - r.seen[0], s.stats.target_tokens - r.seen[1]
+            counts = new[s.req.decode.uses_draft]
+            counts[0] += s.stats.draft_tokens - r.seen[0]
+            counts[1] += s.stats.target_tokens - r.seen[1]
             r.seen = (s.stats.draft_tokens, s.stats.target_tokens)
-            self._rates.add(d, t, s.req.decode.uses_draft)
+        for uses_draft, (d, t) in new.items():
+            if d or t:
+                self._rates.add(d, t, uses_draft)
         self._metrics.filtered_fraction.set(self._rates.snapshot()["filtered_fraction"])
 
     # ---- worker calls ----------------------------------------------------------------
