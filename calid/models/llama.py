@@ -111,32 +111,45 @@ class Block(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The decoder, or one pipeline stage of it.
+
+    A stage holds ``cfg.num_layers`` consecutive layers (numbered from 0 in its
+    own KV caches); only the first stage has the embedding (``embed=False``
+    otherwise) and only the last one the final norm and head (``head=False``).
+    """
+
+    def __init__(self, cfg: ModelConfig, embed: bool = True, head: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return next(self.parameters()).dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return next(self.parameters()).device
 
-    def hidden_states(self, batch: Batch) -> torch.Tensor:
-        """Final-norm hidden states [L, hidden] at ``batch.logits_index``; writes K/V into the caches."""
-        x = self.embed(batch.input_ids)
+    def embed_tokens(self, batch: Batch) -> torch.Tensor:
+        return self.embed(batch.input_ids)
+
+    def run_layers(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Hidden states [T, hidden] through this model's layers; writes K/V into the caches."""
         cos, sin = self.rotary.tables(int(batch.positions.max()) + 1, x.dtype, x.device)
         cos, sin = cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)
         for block in self.layers:
             x = block(x, cos, sin, batch)
-        return self.norm(x[batch.logits_index])
+        return x
+
+    def logits(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Logits [L, vocab] of the rows of ``x`` at ``batch.logits_index``."""
+        return self.lm_head(self.norm(x[batch.logits_index]))
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits [L, vocab] at ``batch.logits_index``."""
-        return self.lm_head(self.hidden_states(batch))
+        return self.logits(self.run_layers(self.embed_tokens(batch), batch), batch)

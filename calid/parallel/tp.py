@@ -11,28 +11,18 @@ intermediate size), so KV caches built from it hold only the local KV heads.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from calid.errors import CalidError
-from calid.models.config import ModelConfig
 from calid.models.llama import LlamaModel
+from calid.parallel.layout import ParallelConfigError, ShardSpec, check_layout, tp_range
+
+__all__ = ["AllReduce", "ParallelConfigError", "apply_tensor_parallel", "check_tensor_parallel", "wrap_row_parallel"]
 
 
-class ParallelConfigError(CalidError):
-    """A tensor/pipeline-parallel layout that this model cannot take."""
-
-
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    if tp < 1:
-        raise ParallelConfigError(f"tensor parallel size must be >= 1, got {tp}")
-    for what, n in (("query heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("MLP intermediate size", cfg.intermediate_size)):
-        if n % tp:
-            raise ParallelConfigError(f"tensor parallel size {tp} does not divide the model's {n} {what}")
+def check_tensor_parallel(cfg, tp: int) -> None:
+    check_layout(cfg, tp=tp)
 
 
 class AllReduce(nn.Module):
@@ -48,6 +38,14 @@ class AllReduce(nn.Module):
         return out
 
 
+def wrap_row_parallel(model: LlamaModel, group=None) -> LlamaModel:
+    """Sum the partial outputs of every o and down projection over ``group`` (a sliced model's only communication)."""
+    for block in model.layers:
+        block.attn.wo = AllReduce(block.attn.wo, group)
+        block.mlp.w_down = AllReduce(block.mlp.w_down, group)
+    return model
+
+
 def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
     linear.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
     if linear.bias is not None:
@@ -60,30 +58,36 @@ def _keep_columns(linear: nn.Linear, start: int, end: int) -> None:
     linear.in_features = end - start
 
 
-def _span(start: int, n: int) -> torch.Tensor:
-    return torch.arange(start, start + n)
+def _fused_rows(sizes: list[int], rank: int, world: int) -> torch.Tensor:
+    """Rows of a fused projection (parts of ``sizes`` stacked) that rank ``rank`` keeps: its share of each part."""
+    rows, offset = [], 0
+    for n in sizes:
+        start, end = tp_range(n, rank, world)
+        rows.append(torch.arange(offset + start, offset + end))
+        offset += n
+    return torch.cat(rows)
 
 
 def apply_tensor_parallel(model: LlamaModel, rank: int, world: int, group=None) -> LlamaModel:
-    """Turn ``model`` into shard ``rank`` of ``world`` (in place; returns it)."""
+    """Turn a whole loaded ``model`` into shard ``rank`` of ``world`` (in place; returns it).
+
+    The same slices as ``load_model(..., shard=...)`` reads from the checkpoint
+    directly; this form is for a model already in memory.
+    """
     cfg = model.cfg
     check_tensor_parallel(cfg, world)
     if world == 1:
         return model
-    d, heads, kv, inter = cfg.head_dim, cfg.num_heads // world, cfg.num_kv_heads // world, cfg.intermediate_size // world
-    q_rows = _span(rank * heads * d, heads * d)
-    k_rows = _span(cfg.num_heads * d + rank * kv * d, kv * d)
-    v_rows = _span((cfg.num_heads + cfg.num_kv_heads) * d + rank * kv * d, kv * d)
-    gate_up_rows = torch.cat([_span(rank * inter, inter), _span(cfg.intermediate_size + rank * inter, inter)])
+    local = ShardSpec(rank, world).local_config(cfg)
+    qkv_rows = _fused_rows([cfg.q_size, cfg.kv_size, cfg.kv_size], rank, world)
+    gate_up_rows = _fused_rows([cfg.intermediate_size] * 2, rank, world)
     for block in model.layers:
         attn, mlp = block.attn, block.mlp
-        _keep_rows(attn.wqkv, torch.cat([q_rows, k_rows, v_rows]))
-        _keep_columns(attn.wo, rank * heads * d, (rank + 1) * heads * d)
-        attn.wo = AllReduce(attn.wo, group)
-        attn.num_heads, attn.num_kv_heads = heads, kv
+        _keep_rows(attn.wqkv, qkv_rows)
+        _keep_columns(attn.wo, *tp_range(cfg.q_size, rank, world))
+        attn.num_heads, attn.num_kv_heads = local.num_heads, local.num_kv_heads
         _keep_rows(mlp.w_gate_up, gate_up_rows)
-        _keep_columns(mlp.w_down, rank * inter, (rank + 1) * inter)
-        mlp.w_down = AllReduce(mlp.w_down, group)
-        mlp.intermediate = inter
-    model.cfg = replace(cfg, num_heads=heads, num_kv_heads=kv, intermediate_size=inter)
-    return model
+        _keep_columns(mlp.w_down, *tp_range(cfg.intermediate_size, rank, world))
+        mlp.intermediate = local.intermediate_size
+    model.cfg = local
+    return wrap_row_parallel(model, group)

@@ -63,3 +63,36 @@ def tree_mask(ancestors: torch.Tensor, past: int) -> torch.Tensor:
     full = torch.ones(q, past + q, dtype=torch.bool, device=ancestors.device)
     full[:, past:] = ancestors
     return full
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """Cut ``batch`` into at most ``parts`` micro-batches of whole sequences, balanced by new tokens.
+
+    Each micro-batch is a Batch of its own (offsets rebased); its logits rows
+    are its share of ``batch.logits_index``, in order, so concatenating the
+    micro-batches' logits gives the batch's.
+    """
+    seqs = batch.seqs
+    parts = max(1, min(parts, len(seqs)))
+    if parts == 1:
+        return [batch]
+    total = seqs[-1].end
+    groups: list[list[SeqSlice]] = [[]]
+    for i, s in enumerate(seqs):
+        left_seqs, left_groups = len(seqs) - i, parts - len(groups)
+        past_cut = s.start + s.q_len / 2 >= total * len(groups) / parts  # most of s lies beyond this group's share
+        full = groups[-1] and (past_cut or left_seqs <= left_groups)
+        if full and left_groups > 0:
+            groups.append([])
+        groups[-1].append(s)
+    out = []
+    for group in groups:
+        lo, hi = group[0].start, group[-1].end
+        rows = (batch.logits_index >= lo) & (batch.logits_index < hi)
+        out.append(Batch(
+            input_ids=batch.input_ids[lo:hi],
+            positions=batch.positions[lo:hi],
+            seqs=[SeqSlice(s.start - lo, s.q_len, s.past, s.cache, s.mask) for s in group],
+            logits_index=batch.logits_index[rows] - lo,
+        ))
+    return out

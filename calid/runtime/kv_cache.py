@@ -16,10 +16,13 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 64):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 64,
+                 charged_layers: int | None = None):
         self.shape = (num_kv_heads, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.num_layers = num_layers
+        # a pipeline stage charges its budget as if it held every layer, so all stages evict alike
+        self.charged_layers = charged_layers or num_layers
         self.capacity = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -31,8 +34,16 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        per = self.shape[0] * self.capacity * self.shape[1] * torch.finfo(self.dtype).bits // 8
-        return 2 * self.num_layers * per
+        return 2 * self.num_layers * self._layer_bytes
+
+    @property
+    def charged_bytes(self) -> int:
+        """What this cache counts against a KV budget (``nbytes`` unless it is one pipeline stage's)."""
+        return 2 * self.charged_layers * self._layer_bytes
+
+    @property
+    def _layer_bytes(self) -> int:
+        return self.shape[0] * self.capacity * self.shape[1] * torch.finfo(self.dtype).bits // 8
 
     def reserve(self, n_new: int) -> None:
         """Make room for ``n_new`` more tokens."""
@@ -130,11 +141,11 @@ class KVCacheStore:
     def enforce_budget(self, pinned: set) -> None:
         if self.budget_bytes is None:
             return
-        total = self.nbytes
+        total = sum(c.charged_bytes for c in self._caches.values())
         for seq_id in list(self._caches):
             if total <= self.budget_bytes:
                 break
             if seq_id in pinned:
                 continue
-            total -= self._caches.pop(seq_id).nbytes
+            total -= self._caches.pop(seq_id).charged_bytes
             self.evictions += 1

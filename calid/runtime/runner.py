@@ -41,11 +41,15 @@ class RunnerStats:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_budget_bytes: int | None = None):
+    """``charged_layers``: a pipeline stage's runner charges its KV budget as if it held this many layers
+    (the whole model's), so that every stage evicts the same sequences at the same time."""
+
+    def __init__(self, model: LlamaModel, kv_budget_bytes: int | None = None, charged_layers: int | None = None):
         self.model = model
         cfg = model.cfg
         self.caches = KVCacheStore(
-            lambda: KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device),
+            lambda: KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device,
+                            charged_layers=charged_layers),
             kv_budget_bytes,
         )
         self.stats = RunnerStats()

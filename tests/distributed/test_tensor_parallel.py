@@ -1,26 +1,18 @@
 """Tensor parallelism on CPU: gloo over loopback, one process per rank, SmolLM2-135M (9 query / 3 KV heads)."""
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from calid.parallel.local_group import run_ranks
 from calid.parallel.tp import ParallelConfigError, check_tensor_parallel
 
 pytestmark = pytest.mark.model
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "What is the capital of France?"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, out_dir: str, model_spec: str | None = None) -> None:
+def tp_job(world: int, model_spec: str | None = None) -> dict:
+    """The whole model loaded, then turned into this rank's shard in memory (apply_tensor_parallel)."""
     import torch.distributed as dist
 
     from calid.engine import Engine
@@ -31,19 +23,14 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, model_spec: str |
     from calid.runtime.runner import ModelRunner, SeqInput
     from calid.text import encode_prompt
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     lm = load_model(model_spec or TEST_MODEL, show_progress=False)
-    model = apply_tensor_parallel(lm.model, rank, world)
+    model = apply_tensor_parallel(lm.model, dist.get_rank(), world)
     ids = [encode_prompt(lm.tokenizer, p) for p in PROMPTS]
     runner = ModelRunner(model)
     logits = runner.forward([SeqInput(i, t, logits_at=list(range(len(t)))) for i, t in enumerate(ids)])
     engine = Engine(ModelRunner(model), lm.tokenizer, lm.eos_ids)
     out = engine.generate([GenerationRequest(t, SamplingParams(max_new_tokens=16)) for t in ids])
-    torch.save({"logits": logits, "outputs": [r.output_ids for r in out],
-                "kv_heads": runner.caches.get(0).shape[0]}, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return {"logits": logits, "outputs": [r.output_ids for r in out], "kv_heads": runner.caches.get(0).shape[0]}
 
 
 def test_tp_refuses_a_size_that_does_not_divide_the_heads(smol):
@@ -52,20 +39,19 @@ def test_tp_refuses_a_size_that_does_not_divide_the_heads(smol):
     check_tensor_parallel(smol.model.cfg, 3)
 
 
-def test_tp3_logits_and_greedy_output_equal_the_single_process_model(smol, tmp_path):
+def test_tp3_logits_and_greedy_output_equal_the_single_process_model(smol):
     from calid.engine import Engine
     from calid.generation import GenerationRequest, SamplingParams
     from calid.runtime.runner import ModelRunner, SeqInput
     from calid.text import encode_prompt
 
-    mp.start_processes(_rank_main, args=(3, _free_port(), str(tmp_path)), nprocs=3, join=True, start_method="spawn")
+    ranks = run_ranks(3, tp_job, 3, threads=1)
     ids = [encode_prompt(smol.tokenizer, p) for p in PROMPTS]
     want_logits = ModelRunner(smol.model).forward([SeqInput(i, t, logits_at=list(range(len(t))))
                                                    for i, t in enumerate(ids)])
     want = [r.output_ids for r in Engine(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids).generate(
         [GenerationRequest(t, SamplingParams(max_new_tokens=16)) for t in ids])]
-    for rank in range(3):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, got in enumerate(ranks):
         assert got["kv_heads"] == 1  # each shard caches only its own KV head
         for g, w in zip(got["logits"], want_logits):
             assert torch.allclose(g, w, atol=2e-4, rtol=0), f"rank {rank}: max |diff| {(g - w).abs().max():.2e}"
@@ -74,7 +60,7 @@ def test_tp3_logits_and_greedy_output_equal_the_single_process_model(smol, tmp_p
 
 
 @pytest.mark.slow
-def test_qwen_target_tp2_equals_the_single_process_model(tmp_path):
+def test_qwen_target_tp2_equals_the_single_process_model():
     """Qwen2.5-Coder-1.5B (12 query / 2 KV heads) with TP=2; the reference is computed and freed first."""
     import gc
 
@@ -93,9 +79,7 @@ def test_qwen_target_tp2_equals_the_single_process_model(tmp_path):
         [GenerationRequest(t, SamplingParams(max_new_tokens=16)) for t in ids])]
     del lm
     gc.collect()
-    mp.start_processes(_rank_main, args=(2, _free_port(), str(tmp_path), DEFAULT_TARGET), nprocs=2, join=True,
-                       start_method="spawn")
-    got = torch.load(tmp_path / "rank0.pt")
+    got = run_ranks(2, tp_job, 2, DEFAULT_TARGET, threads=1)[0]
     assert got["kv_heads"] == 1
     for g, w in zip(got["logits"], want_logits):
         assert (g - w).abs().max() < 2e-3 and torch.equal(g.argmax(-1), w.argmax(-1))

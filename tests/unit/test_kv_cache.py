@@ -72,3 +72,18 @@ def test_keep_of_rows_already_in_place_just_truncates():
     assert c.view(0, 4)[0][0, :, 0].tolist() == [1, 2, 10, 11]
     c.keep([], start=2)
     assert c.tokens == [1, 2]
+
+
+def test_pipeline_stages_with_different_layer_counts_evict_the_same_sequences():
+    """Stages of 3 and 2 layers charge their budget as the whole 5-layer model, so they evict alike."""
+    def stage(layers):
+        return KVCacheStore(lambda: KVCache(layers, 1, 2, torch.float32, "cpu", capacity=4, charged_layers=5),
+                            budget_bytes=int(2.5 * KVCache(5, 1, 2, torch.float32, "cpu", capacity=4).nbytes))
+
+    stores = [stage(3), stage(2)]
+    for store in stores:
+        for sid in "abcd":
+            store.get(sid)
+        store.enforce_budget(pinned={"d"})
+    assert [sorted(s._caches) for s in stores] == [["c", "d"], ["c", "d"]]
+    assert stores[1].get("c").nbytes * 5 == stores[1].get("c").charged_bytes * 2
