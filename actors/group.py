@@ -1,12 +1,15 @@
-"""A tensor-parallel target group: ``tp`` TargetShard actors gang-scheduled in one placement group.
+"""A model-parallel target group: ``tp x pp`` TargetShard actors, gang-scheduled in placement groups.
 
-The bundles are STRICT_PACK, so the shards share a node (tensor parallelism
-all-reduces twice per layer; it belongs inside a node). The group looks like a
-TargetWorker to its owner (``verify``, ``release``, ``cached``). A shard that
-dies takes the group down: the call raises GroupFailed, the group kills the
-other shards and frees its placement group, and the next call builds a fresh
-group. The router keeps every request's token ids, so it retries the call and
-nothing is lost.
+Each pipeline stage is one placement group of ``tp`` STRICT_PACK bundles, so a
+stage's tensor-parallel ranks share a node (they all-reduce twice per layer)
+while the stages may spread across nodes (they exchange one hidden state per
+micro-batch). No shard starts before every stage's placement group is ready.
+
+The group looks like a TargetWorker to its owner (``verify``, ``release``,
+``cached``). A shard that dies takes the group down: the call raises
+GroupFailed, the group kills the other shards and frees its placement groups,
+and the next call builds a fresh group. The router keeps every request's token
+ids, so it retries the call and nothing is lost.
 """
 from __future__ import annotations
 
@@ -25,25 +28,36 @@ class GroupFailed(RuntimeError):
 class TargetGroup:
     def __init__(self, target: str, tp: int, dtype: str = "fp32", device: str = "cpu", cpus_per_shard: float = 0.5,
                  gpus_per_shard: float = 0.0, kv_budget_bytes: int | None = None,
-                 max_forward_tokens: int | None = None, threads: int | None = None, ready_timeout_s: float = 300):
+                 max_forward_tokens: int | None = None, threads: int | None = None, ready_timeout_s: float = 300,
+                 pp: int = 1, micro_batches: int | None = None):
         self.spec = dict(target=target, dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes,
-                         max_forward_tokens=max_forward_tokens, threads=threads)
-        self.tp, self.bundle = tp, {"CPU": cpus_per_shard, **({"GPU": gpus_per_shard} if gpus_per_shard else {})}
+                         max_forward_tokens=max_forward_tokens, threads=threads, micro_batches=micro_batches)
+        self.tp, self.pp = tp, pp
+        self.bundle = {"CPU": cpus_per_shard, **({"GPU": gpus_per_shard} if gpus_per_shard else {})}
         self.ready_timeout_s = ready_timeout_s
         self.shards: list = []
-        self.pg = None
+        self.pgs: list = []
+        self.layout: list[dict] = []  # what each shard holds, by rank (from its setup)
         self.builds = 0
 
     def _build(self) -> None:
-        self.pg = placement_group([dict(self.bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
-        ray.get(self.pg.ready(), timeout=self.ready_timeout_s)
-        self.shards = [
-            TargetShard.options(num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
-                                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, i)).remote(i, self.tp)
-            for i in range(self.tp)
-        ]
-        host, port = ray.get(self.shards[0].address.remote())
-        ray.get([s.setup.remote(host, port, **self.spec) for s in self.shards], timeout=self.ready_timeout_s)
+        self.pgs = [placement_group([dict(self.bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
+                    for _ in range(self.pp)]
+        try:
+            ray.get([pg.ready() for pg in self.pgs], timeout=self.ready_timeout_s)
+            self.shards = [
+                TargetShard.options(num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
+                                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[rank // self.tp],
+                                                                                         rank % self.tp)
+                                    ).remote(rank, self.tp, self.pp)
+                for rank in range(self.tp * self.pp)
+            ]
+            host, port = ray.get(self.shards[0].address.remote())
+            self.layout = ray.get([s.setup.remote(host, port, **self.spec) for s in self.shards],
+                                  timeout=self.ready_timeout_s)
+        except BaseException:
+            self.shutdown()  # a group that cannot start must not keep half its resources
+            raise
         self.builds += 1
 
     def _all(self, method: str, *args):
@@ -58,8 +72,8 @@ class TargetGroup:
             return ray.get(refs[0])
         except RayActorError as e:
             self.shutdown()
-            raise GroupFailed(f"a shard of the tensor-parallel target group died ({e.__class__.__name__}); "
-                              "the group was torn down and is rebuilt on the next call") from e
+            raise GroupFailed(f"a shard of the {self.tp}x{self.pp} (TP x PP) target group died "
+                              f"({e.__class__.__name__}); the group was torn down and is rebuilt on the next call") from e
 
     def verify(self, tasks: list) -> list:
         return self._all("verify", tasks)
@@ -79,6 +93,6 @@ class TargetGroup:
         for s in self.shards:
             ray.kill(s, no_restart=True)
         self.shards = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        for pg in self.pgs:
+            remove_placement_group(pg)
+        self.pgs = []

@@ -28,7 +28,7 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
         if ray.is_initialized():
             check_resources(cfg, ray.cluster_resources())
     config = cfg.model_dump()
-    sharded = cfg.target_tp > 1  # the shards hold the model (and the GPUs); the replica only drives them
+    sharded = cfg.sharded  # the shards hold the model (and the GPUs); the replica only drives them
     target = TargetDeployment.options(
         ray_actor_options={"num_cpus": cfg.target_num_cpus, "num_gpus": 0.0 if sharded else cfg.target_num_gpus,
                            "resources": cfg.target_resources},

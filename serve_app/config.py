@@ -59,8 +59,12 @@ class AppConfig(BaseModel):
     draft_num_cpus: float = Field(0.5, ge=0)
     target_num_cpus: float = Field(0.5, ge=0)
     target_num_gpus: float = Field(0.0, ge=0)
-    target_tp: int = Field(1, ge=1, le=64, description="tensor-parallel shards per target replica (actors/group.py); "
-                           "each shard is an actor with target_num_cpus / target_num_gpus")
+    target_tp: int = Field(1, ge=1, le=64, description="tensor-parallel shards per pipeline stage of a target replica "
+                           "(actors/group.py); each shard is an actor with target_num_cpus / target_num_gpus")
+    target_pp: int = Field(1, ge=1, le=256, description="pipeline stages per target replica (consecutive layer ranges; "
+                           "at most the model's layer count); a replica holds target_tp x target_pp shards")
+    target_micro_batches: int | None = Field(None, ge=1, description="micro-batches per pipelined forward, so that "
+                                             "stages overlap (None: one per stage)")
     worker_threads: int | None = Field(None, ge=1, description="torch threads per worker replica (None: all cores; "
                                        "Ray would otherwise limit a fractional-CPU replica to 1)")
     draft_resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {draft_node: 0.01}")
@@ -89,6 +93,11 @@ class AppConfig(BaseModel):
             if self.draft is None and self.default_mode not in ("ar", "lookahead"):
                 raise ValueError(f"default_mode {self.default_mode!r} needs a draft model; draft is not set")
         return self
+
+    @property
+    def sharded(self) -> bool:
+        """The target model lives in a TP x PP group of shard actors; each replica only drives its group."""
+        return self.target_tp * self.target_pp > 1
 
     @classmethod
     def small(cls, **overrides) -> "AppConfig":
@@ -120,13 +129,14 @@ def check_models(cfg: AppConfig) -> dict:
             raise ConfigError(f"draft {cfg.draft} and target {cfg.target} have different tokenizers "
                               f"({d_vocab} vs {t_vocab} tokens); a draft must share the target's vocabulary")
         facts["draft"] = (draft, ModelConfig.from_dir(draft.path))
-    if cfg.target_tp > 1:
-        from calid.parallel.tp import ParallelConfigError, check_tensor_parallel
+    if cfg.sharded:
+        from calid.parallel.layout import ParallelConfigError, check_layout
 
         try:
-            check_tensor_parallel(facts["target"][1], cfg.target_tp)
+            check_layout(facts["target"][1], cfg.target_tp, cfg.target_pp)
         except ParallelConfigError as e:
-            raise ConfigError(f"target_tp={cfg.target_tp} does not fit {cfg.target}: {e}") from None
+            raise ConfigError(f"target_tp={cfg.target_tp} x target_pp={cfg.target_pp} does not fit {cfg.target}: "
+                              f"{e}") from None
     if cfg.draft is not None and parse_self_draft(cfg.draft) is not None:
         layers, total = parse_self_draft(cfg.draft), facts["target"][1].num_layers
         if not 1 <= layers <= total:
@@ -137,7 +147,7 @@ def check_models(cfg: AppConfig) -> dict:
 def check_resources(cfg: AppConfig, cluster: dict[str, float]) -> None:
     """The cluster must hold the minimum replicas of every deployment (``cluster``: ray.cluster_resources())."""
     need: dict[str, float] = {"CPU": cfg.router_num_cpus}
-    shards = cfg.target_tp if cfg.target_tp > 1 else 0  # a sharded replica also needs its shard actors
+    shards = cfg.target_tp * cfg.target_pp if cfg.sharded else 0  # a sharded replica also needs its shard actors
     roles = [("target", cfg.target_scaling, cfg.target_num_cpus * (1 + shards), cfg.target_num_gpus * max(1, shards),
               cfg.target_resources)]
     if cfg.draft is not None:

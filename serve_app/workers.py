@@ -132,11 +132,12 @@ class TargetDeployment(_WorkerBase):
     def __init__(self, config):
         self._setup(config)
         cfg = self.cfg
-        if cfg.target_tp > 1:  # the model lives in tp shard actors; this replica drives them
+        if cfg.sharded:  # the model lives in tp x pp shard actors; this replica drives them
             from actors.group import TargetGroup
 
             self.worker = TargetGroup(cfg.target, cfg.target_tp, cfg.dtype, cfg.device, cfg.target_num_cpus,
-                                      cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads)
+                                      cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads,
+                                      pp=cfg.target_pp, micro_batches=cfg.target_micro_batches)
             self.worker.cached()  # build the group now, so the replica is ready when Serve says so
             return
         lm = load_model(cfg.target, cfg.dtype, cfg.device, show_progress=False)
@@ -144,11 +145,17 @@ class TargetDeployment(_WorkerBase):
         self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)
 
     def _cached(self) -> int:
-        return self.worker.cached() if self.cfg.target_tp > 1 else len(self._runner.caches)
+        return self.worker.cached() if self.cfg.sharded else len(self._runner.caches)
+
+    async def stats(self) -> dict:
+        out = await super().stats()
+        if self.cfg.sharded:  # what each shard holds: stage, tensor rank, layers, weight bytes
+            out["shards"] = self.worker.layout
+        return out
 
     async def shard_pids(self) -> list[int]:
-        """Process ids of this replica's tensor-parallel shards (empty when unsharded)."""
-        if self.cfg.target_tp == 1:
+        """Process ids of this replica's shards by rank (empty when unsharded)."""
+        if not self.cfg.sharded:
             return []
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.pids)
 

@@ -36,3 +36,11 @@ def test_a_sharded_target_counts_its_shards():
     check_resources(cfg, {"CPU": 3.1})  # the replica and 2 shards, 1 CPU each, plus the router
     with pytest.raises(ConfigError, match="CPU: need 3.1, cluster has 2"):
         check_resources(cfg, {"CPU": 2.0})
+
+
+def test_a_pipelined_target_counts_every_stage():
+    cfg = AppConfig(target_tp=2, target_pp=3, target_num_cpus=1.0, target_num_gpus=1, device="cuda", draft=None)
+    assert cfg.sharded and not AppConfig(draft=None).sharded
+    with pytest.raises(ConfigError, match="GPU: need 6, cluster has 4"):  # 2 x 3 shards, one GPU each
+        check_resources(cfg, {"CPU": 16.0, "GPU": 4.0})
+    check_resources(cfg, {"CPU": 7.1, "GPU": 6.0})
