@@ -34,8 +34,9 @@ def _tokenizer(path: Path):
     return load_tokenizer(path) if (path / "tokenizer_config.json").is_file() else IdTokenizer()
 
 
-def _generate(target: ModelRunner, path: Path, prompts, mode: str, max_new: int, draft_layers: int) -> list:
-    draft = ModelRunner(self_draft(load_weights(path), draft_layers)) if mode == "speculative" else None
+def _generate(target: ModelRunner, path: Path, prompts, mode: str, max_new: int, draft_layers: int,
+              device: str = "cpu") -> list:
+    draft = ModelRunner(self_draft(load_weights(path, device=device), draft_layers)) if mode == "speculative" else None
     engine = Engine(target, _tokenizer(path), frozenset(), draft=draft)
     reqs = [GenerationRequest(list(p), SamplingParams(max_new_tokens=max_new), decode=DecodeParams(mode=mode))
             for p in prompts]
@@ -46,28 +47,29 @@ def _all_logits(runner: ModelRunner, prompts) -> list:
     return runner.forward([SeqInput(i, list(p), logits_at=list(range(len(p)))) for i, p in enumerate(prompts)])
 
 
-def group_job(path: str, tp: int, pp: int, micro_batches: int, prompts, modes, max_new: int, draft_layers: int):
+def group_job(path: str, tp: int, pp: int, micro_batches: int, prompts, modes, max_new: int, draft_layers: int,
+              device: str = "cpu"):
     from calid.parallel.layout import Layout
     from calid.parallel.shard import build_shard
 
     path = Path(path)
-    shard = build_shard(path, Layout(tp, pp, micro_batches))
+    shard = build_shard(path, Layout(tp, pp, micro_batches), device=device)
     runner = shard.runner()
-    logits = _all_logits(runner, prompts)
+    logits = [row.cpu() for row in _all_logits(runner, prompts)]
     cache = runner.caches.get(0)
     return {"logits": logits, "kv": (cache.num_layers, cache.shape[0]), "weight_bytes": shard.weight_bytes,
-            "outputs": {m: _generate(shard.runner(), path, prompts, m, max_new, draft_layers) for m in modes}}
+            "outputs": {m: _generate(shard.runner(), path, prompts, m, max_new, draft_layers, device) for m in modes}}
 
 
 def _check_group(path: Path, tp: int, pp: int, micro_batches: int, prompts, modes, max_new: int,
-                 draft_layers: int, atol: float) -> list:
-    full = load_weights(path)
-    want_logits = _all_logits(ModelRunner(full), prompts)
-    want = {m: _generate(ModelRunner(full), path, prompts, m, max_new, draft_layers) for m in modes}
+                 draft_layers: int, atol: float, device: str = "cpu") -> list:
+    full = load_weights(path, device=device)
+    want_logits = [row.cpu() for row in _all_logits(ModelRunner(full), prompts)]
+    want = {m: _generate(ModelRunner(full), path, prompts, m, max_new, draft_layers, device) for m in modes}
     full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
     layers = full.cfg.num_layers
     got = run_ranks(tp * pp, group_job, str(path), tp, pp, micro_batches, prompts, modes, max_new, draft_layers,
-                    threads=1)
+                    device, device=device, threads=1)
     for rank, g in enumerate(got):
         stage = rank // tp
         assert g["kv"][1] == full.cfg.num_kv_heads // tp
@@ -110,6 +112,16 @@ def test_qwen_target_tp2_x_pp2_equals_the_single_process_model():
     got = _check_group(Path(path), 2, 2, 2, prompts, ["ar", "lookahead"], max_new=16, draft_layers=0,
                        atol=2e-3)
     assert [g["kv"][0] for g in got] == [14, 14, 14, 14]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL pipeline needs 2 CUDA GPUs")
+def test_nccl_pp2_equals_one_gpu(smol):
+    from calid.text import encode_prompt
+
+    prompts = [encode_prompt(smol.tokenizer, p) for p in SMOL_PROMPTS]
+    _check_group(Path(smol.path), 1, 2, 2, prompts, ["ar", "lookahead"], max_new=16, draft_layers=0, atol=1e-3,
+                 device="cuda")
 
 
 @pytest.mark.model
