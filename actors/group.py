@@ -37,7 +37,7 @@ class TargetGroup:
         self.ready_timeout_s = ready_timeout_s
         self.shards: list = []
         self.pgs: list = []
-        self.layout: list[dict] = []  # what each shard holds, by rank (from its setup)
+        self.holdings: list[dict] = []  # what each shard holds, by rank (from its setup)
         self.builds = 0
 
     def _build(self) -> None:
@@ -53,7 +53,7 @@ class TargetGroup:
                 for rank in range(self.tp * self.pp)
             ]
             host, port = ray.get(self.shards[0].address.remote())
-            self.layout = ray.get([s.setup.remote(host, port, **self.spec) for s in self.shards],
+            self.holdings = ray.get([s.setup.remote(host, port, **self.spec) for s in self.shards],
                                   timeout=self.ready_timeout_s)
         except BaseException:
             self.shutdown()  # a group that cannot start must not keep half its resources

@@ -150,7 +150,7 @@ class TargetDeployment(_WorkerBase):
     async def stats(self) -> dict:
         out = await super().stats()
         if self.cfg.sharded:  # what each shard holds: stage, tensor rank, layers, weight bytes
-            out["shards"] = self.worker.layout
+            out["shards"] = self.worker.holdings
         return out
 
     async def shard_pids(self) -> list[int]:

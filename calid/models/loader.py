@@ -120,10 +120,10 @@ class Checkpoint(Mapping):
         if not files:
             raise ModelSourceError(f"no .safetensors weights in {path}")
         self.shard = shard
-        self._file: dict[str, Path] = {}
+        self._file: dict[str, object] = {}  # tensor name -> the open (memory-mapped) file that holds it
         for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                self._file.update((name, file) for name in f.keys())
+            f = safe_open(str(file), framework="pt")
+            self._file.update((name, f) for name in f.keys())
         self.read_bytes = 0
 
     def __iter__(self):
@@ -138,8 +138,7 @@ class Checkpoint(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._file:
             raise KeyError(name)
-        with safe_open(str(self._file[name]), framework="pt") as f:
-            tensor = self._read(f, name)
+        tensor = self._read(self._file[name], name)
         self.read_bytes += tensor.numel() * tensor.element_size()
         return tensor
 

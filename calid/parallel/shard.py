@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from calid.models.config import ModelConfig
-from calid.models.loader import load_weights
+from calid.models.loader import load_weights, weight_footprint
 from calid.parallel.layout import Layout, ShardSpec, check_layout
 from calid.parallel.pp import PipelineStage, StageLinks
 from calid.parallel.tp import wrap_row_parallel
@@ -46,7 +46,7 @@ def build_shard(path: Path, layout: Layout, dtype="fp32", device="cpu") -> Shard
     if layout.tp > 1 and layout.pp > 1:
         stage_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
     model = load_weights(path, dtype, device, shard=spec)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = weight_footprint(model)[0]
     if layout.tp > 1:
         wrap_row_parallel(model, stage_groups[spec.stage])
     if layout.pp > 1:

@@ -15,7 +15,7 @@ import torch
 from calid.decoding.modes import DecodeParams
 from calid.engine import Engine
 from calid.generation import GenerationRequest, SamplingParams
-from calid.models.loader import load_tokenizer, load_weights
+from calid.models.loader import load_tokenizer, load_weights, weight_footprint
 from calid.models.self_draft import self_draft
 from calid.parallel.local_group import run_ranks
 from calid.parallel.layout import stage_layers
@@ -66,7 +66,7 @@ def _check_group(path: Path, tp: int, pp: int, micro_batches: int, prompts, mode
     full = load_weights(path, device=device)
     want_logits = [row.cpu() for row in _all_logits(ModelRunner(full), prompts)]
     want = {m: _generate(ModelRunner(full), path, prompts, m, max_new, draft_layers, device) for m in modes}
-    full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
+    full_bytes = weight_footprint(full)[0]
     layers = full.cfg.num_layers
     got = run_ranks(tp * pp, group_job, str(path), tp, pp, micro_batches, prompts, modes, max_new, draft_layers,
                     device, device=device, threads=1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from calid.models.config import ModelConfig
-from calid.models.loader import build_model, load_state_dict
+from calid.models.loader import build_model, load_state_dict, weight_footprint
 from calid.parallel.layout import Layout, ParallelConfigError, ShardSpec, check_layout, stage_layers
 from calid.parallel.pp import StageLinks
 from calid.parallel.tp import apply_tensor_parallel
@@ -69,12 +69,12 @@ def test_micro_batches_are_whole_sequences_and_give_the_same_logits(tiny_model):
 
 def test_a_shard_reads_only_its_slice_of_the_checkpoint(tiny_tied, tiny_checkpoint):
     cfg = ModelConfig.from_dir(tiny_checkpoint)
-    full_bytes = sum(p.numel() * p.element_size() for p in tiny_tied.parameters())
+    full_bytes = weight_footprint(tiny_tied)[0]
     for rank in range(4):
         spec = Layout(tp=2, pp=2).shard(rank)
         ckpt = load_state_dict(tiny_checkpoint, spec)
         shard = build_model(cfg, ckpt, torch.float32, "cpu", spec)
-        held = sum(p.numel() * p.element_size() for p in shard.parameters())
+        held = weight_footprint(shard)[0]
         assert ckpt.read_bytes == held < full_bytes / 2  # nothing read that the shard does not keep
         assert (shard.embed is not None, shard.lm_head is not None) == (spec.first, spec.last)
         assert shard.cfg.num_layers == 1 and shard.cfg.num_heads == 3 and shard.cfg.num_kv_heads == 1
