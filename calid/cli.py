@@ -32,8 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list and pull model presets")
     msub = models.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="list presets and whether they are pulled").set_defaults(func=cmd_models_list)
-    pull = msub.add_parser("pull", help="download, verify and convert a preset")
+    pull = msub.add_parser("pull", help="download and verify a preset; prepare it for its backend")
     pull.add_argument("name", nargs="+")
+    pull.add_argument("--backend", default="auto", choices=["auto", "torch", "llamacpp"],
+                      help="llama.cpp reads the GGUF as is (auto on CPU); torch needs it converted to safetensors")
     pull.set_defaults(func=cmd_models_pull)
 
     gen = sub.add_parser("generate", help="generate text, streaming to the terminal")
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     from calid.bench import parallel as bench_parallel
 
     bench_parallel.add_parser(bsub)
+    from calid.bench import dtype as bench_dtype
+
+    bench_dtype.add_parser(bsub)
     _server_cli_module("serve_app.bench").add_parser(bsub)
     return parser
 
@@ -125,31 +130,32 @@ def decode_params(args):
                         tree_chains=args.tree_chains).validate()
 
 
-def build_engine(target_lm, draft_spec: str | None, dtype: str, device: str, max_batch: int = 8,
-                 extra_specs: list[str] | tuple = ()):
-    """Engine over a loaded target, an optional draft and extra tree drafters (model specs, or self:N)."""
-    from calid.engine import Engine, check_pair
-    from calid.models.loader import load_model
-    from calid.models.self_draft import parse_self_draft, self_draft
-    from calid.runtime.runner import ModelRunner
-
-    def runner(spec: str) -> ModelRunner:
-        layers = parse_self_draft(spec)
-        if layers is not None:
-            return ModelRunner(self_draft(target_lm.model, layers))
-        lm = load_model(spec, dtype, device)
-        check_pair(target_lm, lm)
-        return ModelRunner(lm.model)
+def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
+                 max_batch: int = 8, extra_specs: list[str] | tuple = (), draft_backend: str | None = None):
+    """Engine over an opened target (calid.backends.OpenModel), an optional draft and extra tree drafters
+    (model specs, or self:N). ``draft_backend`` defaults to ``backend``."""
+    from calid.backends import open_draft
+    from calid.engine import Engine
 
     if extra_specs and not draft_spec:
         raise CalidError("--extra-draft needs a main --draft")
-    return Engine(ModelRunner(target_lm.model), target_lm.tokenizer, target_lm.eos_ids,
+
+    def runner(spec: str):
+        return open_draft(spec, target, draft_backend or backend, dtype, device).runner
+
+    return Engine(target.runner, target.tokenizer, target.eos_ids,
                   draft=runner(draft_spec) if draft_spec else None, max_batch=max_batch,
                   extra_drafts=[runner(s) for s in extra_specs])
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    from calid.backends import BACKENDS, DTYPE_CHOICES
+
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="auto (default): llama.cpp on CPU for GGUF models, torch on CUDA and for model folders")
+    p.add_argument("--draft-backend", default=None, choices=BACKENDS, help="the draft's backend (default: --backend)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="torch dtype; auto (default): bf16 on CUDA and on CPUs with native bf16, else fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
 
 
@@ -166,15 +172,15 @@ def cmd_models_list(args) -> int:
 
 
 def cmd_models_pull(args) -> int:
+    from calid.backends import model_facts
     from calid.models.presets import PRESETS
-    from calid.models.source import resolve
 
     for name in args.name:
         if name not in PRESETS:
             raise CalidError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
     for name in args.name:
-        source = resolve(name)
-        print(f"{name}: ready at {source.path}")
+        backend, folder = model_facts(name, args.backend)
+        print(f"{name}: ready for {backend} ({folder})")
     return 0
 
 
@@ -188,16 +194,18 @@ def sampling_params(args):
 
 
 def cmd_generate(args) -> int:
+    from calid.backends import open_model, pick_backend
     from calid.generation import GenerationRequest
-    from calid.models.loader import load_model
     from calid.text import encode_prompt
 
     if not args.prompt.strip():
         raise CalidError("prompt is empty")
     params, decode = sampling_params(args), decode_params(args)  # fail on bad flags before loading anything
-    lm = load_model(args.model, args.dtype, args.device)
-    engine = build_engine(lm, args.draft if decode.uses_draft else None, args.dtype, args.device,
-                          extra_specs=args.extra_draft if decode.mode == "tree" else ())
+    pick_backend(args.backend, args.model, args.device)
+    lm = open_model(args.model, args.backend, args.dtype, args.device)
+    engine = build_engine(lm, args.draft if decode.uses_draft else None, args.backend, args.dtype, args.device,
+                          extra_specs=args.extra_draft if decode.mode == "tree" else (),
+                          draft_backend=args.draft_backend)
     request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params, decode=decode)
     for event in engine.stream([request]):
         sys.stdout.write(event.text)

@@ -20,6 +20,7 @@ The Serve router (serve_app) runs the same orchestrator against remote workers.
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 from calid.decoding.lookahead import LookaheadConfig
@@ -48,7 +49,7 @@ class Engine:
         self.target, self.draft = target, draft
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.max_batch = max_batch
-        self.max_position = target.model.cfg.max_position
+        self.max_position = target.max_position
         self.orchestrator = Orchestrator(tokenizer, eos_ids, self.max_position, draft is not None, default_decode)
         self.verifier = TargetWorker(target, lookahead, shared_trie, max_forward_tokens)
         self.drafter = DraftWorker(draft, eos_ids, extra_drafts) if draft is not None else None
@@ -61,6 +62,17 @@ class Engine:
         return cls(ModelRunner(target.model, kv_budget_bytes), target.tokenizer, target.eos_ids,
                    draft=ModelRunner(draft.model, kv_budget_bytes) if draft is not None else None, max_batch=max_batch,
                    lookahead=lookahead)
+
+    @classmethod
+    def from_models(cls, target, draft=None, max_batch: int = 8, **kw) -> "Engine":
+        """Engine over opened models (``calid.open_model``: any backend); refuses a draft with another
+        tokenizer."""
+        from calid.backends import check_vocab
+
+        if draft is not None:
+            check_vocab(target, draft)
+        return cls(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner if draft else None,
+                   max_batch=max_batch, **kw)
 
     @property
     def default_decode(self) -> DecodeParams:
@@ -103,11 +115,29 @@ class Engine:
 
     def _step(self, states: list[RequestState]) -> Iterator[StreamEvent]:
         orch = self.orchestrator
+        if self.drafter is not None and not orch.verify_cost.known and any(s.req.decode.mode == "auto" for s in states):
+            self.calibrate()
         tasks = orch.draft_tasks(states)
+        start = time.perf_counter()
         drafts = self.drafter.draft(tasks) if tasks else []
+        if drafts:
+            orch.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
         events, verify = orch.after_draft(states, drafts)
         yield from events
-        yield from orch.after_verify(self.verifier.verify(verify))
+        fed, start = self.target.stats.tokens, time.perf_counter()
+        results = self.verifier.verify(verify)
+        if verify:
+            orch.observe_verify(self.target.stats.tokens - fed, time.perf_counter() - start)
+        yield from orch.after_verify(results)
+
+    def calibrate(self) -> None:
+        """Measure target and draft forward costs once, for the auto mode's planner."""
+        from calid.calibration import draft_costs, verify_costs
+
+        orch = self.orchestrator
+        orch.verify_cost = verify_costs(self.target)
+        if self.draft is not None:
+            orch.draft_cost = draft_costs(self.draft)
 
     def _release(self, done: list[RequestState]) -> None:
         if not done:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import Hashable
 
 from calid.decoding.modes import DecodeParams
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
+from calid.planning import Acceptance, CostTable, PlanInput, plan_gammas
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -37,9 +39,13 @@ class Orchestrator:
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.max_position = max_position
         self.has_draft = has_draft
-        self.default_decode = default_decode or DecodeParams(mode="speculative" if has_draft else "ar")
+        self.default_decode = default_decode or DecodeParams(mode="auto" if has_draft else "ar")
         self.active: dict[Hashable, RequestState] = {}
         self._ids = itertools.count()
+        # the planner's inputs (auto mode): forward costs measured by the caller, acceptance per request
+        self.verify_cost, self.draft_cost = CostTable(), CostTable()
+        self._acceptance: dict[Hashable, Acceptance] = {}
+        self._step_decode: dict[Hashable, DecodeParams] = {}  # auto requests: this step's effective mode
 
     # ---- admission ------------------------------------------------------------------
 
@@ -62,6 +68,7 @@ class Orchestrator:
         return s
 
     def finish(self, request_id: Hashable) -> RequestState | None:
+        self._forget(request_id)
         return self.active.pop(request_id, None)
 
     def finished(self) -> list[RequestState]:
@@ -69,14 +76,51 @@ class Orchestrator:
         done = [s for s in self.active.values() if s.finish_reason]
         for s in done:
             del self.active[s.req.request_id]
+            self._forget(s.req.request_id)
         return done
+
+    def _forget(self, request_id: Hashable) -> None:
+        self._acceptance.pop(request_id, None)
+        self._step_decode.pop(request_id, None)
+
+    # ---- the planner's measurements -------------------------------------------------
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        """A target forward over ``tokens`` new tokens took ``seconds`` (caller-measured, transport included)."""
+        self.verify_cost.observe(tokens, seconds)
+
+    def observe_draft(self, sequences: int, depth: int, seconds: float) -> None:
+        """A draft call over ``sequences`` requests ``depth`` forwards deep took ``seconds``."""
+        if depth > 0:
+            self.draft_cost.observe(sequences, seconds / depth)
+
+    def decode_of(self, s: RequestState) -> DecodeParams:
+        """The mode a request runs this step (auto: what the planner chose)."""
+        return self._step_decode.get(s.req.request_id, s.req.decode)
 
     # ---- one step ---------------------------------------------------------------------
 
     def draft_tasks(self, states: list[RequestState]) -> list[DraftTask]:
-        return [DraftTask(s.req.request_id, s.token_ids, s.req.decode, s.req.params.warp, s.confidence.nll,
+        self._plan(states)
+        return [DraftTask(s.req.request_id, s.token_ids, self.decode_of(s), s.req.params.warp, s.confidence.nll,
                           self._draft_budget(s), _rng(s)) for s in states
-                if s.req.decode.uses_draft and not s.prefilling]  # a draft is wasted while the target prefills
+                if self.decode_of(s).uses_draft and not s.prefilling]  # a draft is wasted while the target prefills
+
+    def _plan(self, states: list[RequestState]) -> None:
+        """Auto requests: this step's draft length from the planner (0: a plain target step)."""
+        auto = [s for s in states if s.req.decode.mode == "auto"]
+        if not auto:
+            return
+        if not self.has_draft:
+            for s in auto:
+                self._step_decode[s.req.request_id] = replace(s.req.decode, mode="ar")
+            return
+        reqs = [PlanInput(self._acceptance.setdefault(s.req.request_id, Acceptance()).alpha,
+                          0 if s.prefilling else self._draft_budget(s, s.req.decode.gamma)) for s in auto]
+        gammas = plan_gammas(reqs, self.verify_cost, self.draft_cost, fixed_tokens=len(states) - len(auto))
+        for s, g in zip(auto, gammas):
+            self._step_decode[s.req.request_id] = (replace(s.req.decode, mode="speculative", gamma=g) if g
+                                                   else replace(s.req.decode, mode="ar"))
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
@@ -90,7 +134,7 @@ class Orchestrator:
             if d is not None and not d.needs_target:  # filter, every draft token confident: early acceptance
                 events += self._append(s, d.tokens, len(d.tokens), now)
                 continue
-            tasks.append(VerifyTask(s.req.request_id, s.token_ids, len(s.req.prompt_ids), s.req.decode,
+            tasks.append(VerifyTask(s.req.request_id, s.token_ids, len(s.req.prompt_ids), self.decode_of(s),
                                     s.req.params.warp, self._draft_budget(s), d.tokens if d else [],
                                     d.q if d else None, d.tree if d else None, _rng(s)))
         return events, tasks
@@ -108,6 +152,8 @@ class Orchestrator:
                 continue
             s.stats.target_calls += 1
             s.stats.record_verification(v.proposed, v.accepted, v.verifying)
+            if v.verifying and s.req.request_id in self._acceptance:
+                self._acceptance[s.req.request_id].observe(v.accepted, v.proposed)
             self._adapt(s, v.accepted, v.proposed)
             events += self._append(s, v.tokens, v.accepted, now)
         return events
@@ -123,11 +169,12 @@ class Orchestrator:
                 break
         return events
 
-    def _draft_budget(self, s: RequestState) -> int:
-        """Most draft tokens worth proposing now: the request's gamma, its remaining budget, the context."""
+    def _draft_budget(self, s: RequestState, gamma: int | None = None) -> int:
+        """Most draft tokens worth proposing now: the step's gamma, the request's remaining budget, the context."""
+        decode = self.decode_of(s)
         left = min(s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids))
-        spare = left if s.req.decode.mode == "filter" else left - 1  # verifying modes add a target token
-        return max(0, min(s.req.decode.gamma, spare))
+        spare = left if decode.mode == "filter" else left - 1  # verifying modes add a target token
+        return max(0, min(decode.gamma if gamma is None else gamma, spare))
 
     @staticmethod
     def _adapt(s: RequestState, accepted: int, proposed: int) -> None:

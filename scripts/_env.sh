@@ -10,7 +10,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.calid-installed"
-WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_llamacpp.sh" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "[setup] installing calid and its dependencies (log: .venv/install.log)"
     if ! "$VENV/bin/python" -m pip install -q -e "$ROOT[test,bench]" >"$VENV/install.log" 2>&1; then
@@ -18,6 +18,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
         echo "[setup] install failed; full log in .venv/install.log" >&2
         exit 1
     fi
+    # llama.cpp (the CPU backend) is compiled for this machine's CPU: see scripts/_llamacpp.sh
+    bash "$ROOT/scripts/_llamacpp.sh" "$VENV/bin/python"
     echo "$WANT" >"$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -47,10 +47,8 @@ def run(args) -> int:
     from calid.engine import Engine
     from calid.errors import CalidError
     from calid.generation import GenerationRequest, SamplingParams
-    from calid.models.loader import load_model
-    from calid.models.self_draft import load_draft
+    from calid.backends import open_draft, open_model
     from calid.progress import progress
-    from calid.runtime.runner import ModelRunner
     from calid.text import encode_prompt
     from serve_app.config import AppConfig
     from serve_app.local import serve_app, shutdown
@@ -64,10 +62,9 @@ def run(args) -> int:
         raise CalidError("--requests, --max-new-tokens and --concurrency must be >= 1")
     cfg = AppConfig(grpc_port=args.port, max_active=args.concurrency) if args.qwen else \
         AppConfig.small(grpc_port=args.port, max_active=args.concurrency)
-    target = load_model(cfg.target, show_progress=True)
-    draft = load_draft(cfg.draft, cfg.target, show_progress=True)
-    engine = Engine(ModelRunner(target.model), target.tokenizer, target.eos_ids, draft=ModelRunner(draft.model),
-                    max_batch=args.concurrency)
+    target = open_model(cfg.target, cfg.target_backend, cfg.dtype)
+    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype)
+    engine = Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=args.concurrency)
     texts = humaneval_prompts(max(n, args.concurrency))
     ids = [encode_prompt(target.tokenizer, t) for t in texts]
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)

@@ -18,6 +18,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-active", type=int, default=16, help="requests decoded at once (default 16)")
     p.add_argument("--queue-capacity", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+    p.add_argument("--backend", default=None, choices=["auto", "torch", "llamacpp"],
+                   help="both models' backend (default auto: llama.cpp on CPU for GGUF models)")
+    p.add_argument("--dtype", default=None, choices=["auto", "fp32", "bf16"], help="torch dtype (default auto)")
 
 
 def config_from_args(args) -> AppConfig:
@@ -26,6 +29,10 @@ def config_from_args(args) -> AppConfig:
         overrides["target"] = args.target
     if args.draft:
         overrides["draft"] = None if args.draft == "none" else args.draft
+    if args.backend:
+        overrides["target_backend"] = overrides["draft_backend"] = args.backend
+    if args.dtype:
+        overrides["dtype"] = args.dtype
     try:
         return AppConfig.small(**overrides) if args.small else AppConfig(**overrides)
     except ValueError as e:

@@ -44,8 +44,11 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target: str = DEFAULT_TARGET
     draft: str | None = DEFAULT_DRAFT  # a model spec, "self:N" (target's first N layers) or None
-    dtype: str = "fp32"
+    dtype: str = "auto"  # torch dtype; auto: bf16 on CUDA and on CPUs with native bf16, else fp32
     device: str = "cpu"
+    target_backend: str = Field("auto", description="auto: llama.cpp on CPU for GGUF models, torch on CUDA, "
+                                "for TP/PP groups and for model folders; or torch / llamacpp")
+    draft_backend: str = Field("auto", description="as target_backend, for the draft (self:N always runs on torch)")
     default_mode: str | None = None  # None: speculative with a draft, ar without
     max_active: int = Field(16, ge=1, description="requests one router decodes at once")
     queue_capacity: int = Field(64, ge=0, description="admitted requests waiting for a slot; more -> RESOURCE_EXHAUSTED")
@@ -76,8 +79,13 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _cross_fields(self):
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"dtype must be auto, fp32 or bf16, got {self.dtype!r}")
+        for role in ("target_backend", "draft_backend"):
+            if getattr(self, role) not in ("auto", "torch", "llamacpp"):
+                raise ValueError(f"{role} must be auto, torch or llamacpp, got {getattr(self, role)!r}")
+        if self.target_backend == "llamacpp" and self.target_tp * self.target_pp > 1:
+            raise ValueError("tensor/pipeline-parallel target groups run on torch: set target_backend to auto or torch")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and self.target_num_gpus <= 0:
@@ -102,7 +110,7 @@ class AppConfig(BaseModel):
     @classmethod
     def small(cls, **overrides) -> "AppConfig":
         """SmolLM2-135M as target, its first 16 of 30 layers as the draft: quick to load, for demos and tests."""
-        return cls(**{"target": TEST_MODEL, "draft": "self:16", **overrides})
+        return cls(**{"target": TEST_MODEL, "draft": "self:16", "kv_budget_mb": 512, **overrides})
 
 
 def load_config(args: dict | AppConfig | None) -> AppConfig:
@@ -115,30 +123,40 @@ def load_config(args: dict | AppConfig | None) -> AppConfig:
 
 
 def check_models(cfg: AppConfig) -> dict:
-    """Resolve both models (fetching presets once) and check they share a vocabulary; returns their facts."""
+    """Resolve both models (fetching presets once, converting only what runs on torch) and check they
+    share a vocabulary; returns their facts (backend, folder, ModelConfig) by role."""
+    from calid.backends import BackendError, model_facts
     from calid.models.config import ModelConfig
     from calid.models.loader import load_tokenizer
-    from calid.models.source import resolve
 
-    target = resolve(cfg.target)
-    facts = {"target": (target, ModelConfig.from_dir(target.path))}
+    def facts_of(spec: str, backend: str, sharded: bool = False):
+        try:
+            chosen, folder = model_facts(spec, backend, cfg.device, sharded)
+        except BackendError as e:
+            raise ConfigError(f"{spec}: {e}") from None
+        return chosen, folder, ModelConfig.from_dir(folder)
+
+    facts = {"target": facts_of(cfg.target, cfg.target_backend, cfg.sharded)}
     if cfg.draft is not None and parse_self_draft(cfg.draft) is None:
-        draft = resolve(cfg.draft)
-        t_vocab, d_vocab = facts["target"][1].vocab_size, ModelConfig.from_dir(draft.path).vocab_size
-        if t_vocab != d_vocab or load_tokenizer(target.path).get_vocab() != load_tokenizer(draft.path).get_vocab():
+        draft = facts_of(cfg.draft, cfg.draft_backend)
+        (_, t_dir, t_cfg), (_, d_dir, d_cfg) = facts["target"], draft
+        if t_cfg.vocab_size != d_cfg.vocab_size or load_tokenizer(t_dir).get_vocab() != load_tokenizer(d_dir).get_vocab():
             raise ConfigError(f"draft {cfg.draft} and target {cfg.target} have different tokenizers "
-                              f"({d_vocab} vs {t_vocab} tokens); a draft must share the target's vocabulary")
-        facts["draft"] = (draft, ModelConfig.from_dir(draft.path))
+                              f"({d_cfg.vocab_size} vs {t_cfg.vocab_size} tokens); a draft must share the target's "
+                              "vocabulary")
+        facts["draft"] = draft
     if cfg.sharded:
         from calid.parallel.layout import ParallelConfigError, check_layout
 
         try:
-            check_layout(facts["target"][1], cfg.target_tp, cfg.target_pp)
+            check_layout(facts["target"][2], cfg.target_tp, cfg.target_pp)
         except ParallelConfigError as e:
             raise ConfigError(f"target_tp={cfg.target_tp} x target_pp={cfg.target_pp} does not fit {cfg.target}: "
                               f"{e}") from None
     if cfg.draft is not None and parse_self_draft(cfg.draft) is not None:
-        layers, total = parse_self_draft(cfg.draft), facts["target"][1].num_layers
+        if cfg.draft_backend == "llamacpp":
+            raise ConfigError("a self-draft (self:N) runs on torch: set draft_backend to auto or torch")
+        layers, total = parse_self_draft(cfg.draft), facts["target"][2].num_layers
         if not 1 <= layers <= total:
             raise ConfigError(f"self-draft layers must be in [1, {total}] for {cfg.target}, got {cfg.draft}")
     return facts

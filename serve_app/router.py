@@ -32,7 +32,8 @@ from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent
 from calid.models.config import ModelConfig
 from calid.models.loader import eos_token_ids, load_tokenizer
-from calid.models.source import resolve
+from calid.backends import model_facts
+from calid.runtime.llamacpp import slot_cells
 from calid.orchestrator import Orchestrator
 from calid.scaling import RateWindow
 from calid.v1 import calid_pb2 as pb
@@ -83,11 +84,14 @@ class Router:
     def __init__(self, config, draft=None, target=None):
         self.cfg = load_config(config)
         self.draft, self.target = draft, target
-        source = resolve(self.cfg.target, show_progress=False)
-        model_cfg = ModelConfig.from_dir(source.path)
-        self.tokenizer = load_tokenizer(source.path)
+        backend, folder = model_facts(self.cfg.target, self.cfg.target_backend, self.cfg.device, self.cfg.sharded,
+                                      show_progress=False)
+        model_cfg = ModelConfig.from_dir(folder)
+        self.tokenizer = load_tokenizer(folder)
         self.vocab_size, self.max_position = model_cfg.vocab_size, model_cfg.max_position
-        self.orch = Orchestrator(self.tokenizer, eos_token_ids(source.path, self.tokenizer), self.max_position,
+        if backend == "llamacpp":  # a llama.cpp slot holds at most this many tokens of one sequence
+            self.max_position = slot_cells(model_cfg, self.cfg.kv_budget_mb and self.cfg.kv_budget_mb * 2**20)
+        self.orch = Orchestrator(self.tokenizer, eos_token_ids(folder, self.tokenizer), self.max_position,
                                  has_draft=draft is not None)
         if self.cfg.default_mode:
             self.orch.default_decode = replace(self.orch.default_decode, mode=self.cfg.default_mode)
@@ -102,6 +106,7 @@ class Router:
         self._metrics = RouterMetrics()
         self._steps = 0
         self._max_escalation = 0
+        self._calibrated = False
 
     # ---- gRPC methods -------------------------------------------------------------
 
@@ -266,15 +271,39 @@ class Router:
 
     async def _step(self, states: list[RequestState]) -> None:
         self._steps += 1
+        if self.draft is not None and not self._calibrated and any(
+                s.req.decode.mode == "auto" for s in states):
+            await self._calibrate()
         tasks = self.orch.draft_tasks(states)
+        start = time.perf_counter()
         drafts = await self._call("draft", tasks) if tasks else []
+        if drafts:
+            self.orch.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
         events, verify = self.orch.after_draft(states, drafts)
         self._deliver(events)
         if verify:
             self._max_escalation = max(self._max_escalation, len(verify))
             self._metrics.escalation_batch.observe(len(verify))
-            self._deliver(self.orch.after_verify(await self._call("target", verify)))
+            start = time.perf_counter()
+            results = await self._call("target", verify)
+            if all(s.stats.target_calls for s in states):  # decode steps only: a prefill's size is unknown here
+                self.orch.observe_verify(sum(1 + len(t.draft) for t in verify), time.perf_counter() - start)
+            self._deliver(self.orch.after_verify(results))
         self._count_tokens(states)
+
+    async def _calibrate(self) -> None:
+        """The workers' measured forward costs, the auto mode planner's starting point (refined live)."""
+        self._calibrated = True
+        try:
+            verify = await self.target.costs.remote()
+            draft = await self.draft.costs.remote()
+        except Exception:  # a worker that cannot calibrate leaves auto requests on plain decoding
+            log.exception("calid router: calibration failed")
+            return
+        for size, secs in verify.items():
+            self.orch.observe_verify(size, secs)
+        for size, secs in draft.items():
+            self.orch.observe_draft(size, 1, secs)
 
     def _deliver(self, events: list[StreamEvent]) -> None:
         for e in events:

@@ -14,6 +14,7 @@ still serves a group correctly (it recomputes on a cache miss).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,16 +22,19 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from ray import serve
 
-from calid.models.loader import load_model
-from calid.models.self_draft import load_draft
-from calid.runtime.runner import ModelRunner
+from calid.backends import open_draft, open_model, pick_dtype
 from calid.workers import DraftWorker, TargetWorker
 from serve_app.autoscaling import DEMAND, PENDING, QUEUE
 from serve_app.config import load_config
 from serve_app.metrics import WorkerMetrics
 
+logger = logging.getLogger("ray.serve")
 REPORT_TTL_S = 5.0  # a busy router reports with every call; one that stopped calling stops counting
 MAX_BATCH_CALLS = 64
+
+
+def _log(line: str) -> None:
+    logger.info(line)
 
 
 class _WorkerBase:
@@ -87,13 +91,24 @@ class _WorkerBase:
             stats[QUEUE + router] = queued
         return stats
 
+    async def costs(self) -> dict[int, float]:
+        """Measured forward costs of this replica's model (seconds by size), for the router's planner."""
+        if not hasattr(self, "_costs"):
+            from calid import calibration
+
+            measure = calibration.verify_costs if self.role == "target" else calibration.draft_costs
+            runner = getattr(self, "_runner", None)
+            table = await asyncio.get_running_loop().run_in_executor(self._executor, measure, runner) if runner else None
+            self._costs = table.as_dict() if table else {}
+        return self._costs
+
     async def stats(self) -> dict:
         """Counters for tests and the demo: batches run, the largest batch, live KV caches."""
         cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
         return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending}
 
     def _cached(self) -> int:
-        return len(self._runner.caches)
+        return self._runner.cached_count()
 
     async def _call(self, batch_fn, tasks: list, report: dict | None) -> list:
         await self._enter(report)
@@ -110,8 +125,10 @@ class DraftDeployment(_WorkerBase):
 
     def __init__(self, config):
         self._setup(config)
-        lm = load_draft(self.cfg.draft, self.cfg.target, self.cfg.dtype, self.cfg.device, show_progress=False)
-        self._runner = ModelRunner(lm.model, self._kv_budget)
+        cfg = self.cfg
+        lm = open_draft(cfg.draft, cfg.target, cfg.draft_backend, cfg.dtype, cfg.device, self._kv_budget,
+                        cfg.worker_threads, show_progress=False, log=_log)
+        self._runner = lm.runner
         self.worker = DraftWorker(self._runner, lm.eos_ids)
 
     async def draft(self, tasks: list, report: dict | None = None) -> list:
@@ -135,17 +152,18 @@ class TargetDeployment(_WorkerBase):
         if cfg.sharded:  # the model lives in tp x pp shard actors; this replica drives them
             from actors.group import TargetGroup
 
-            self.worker = TargetGroup(cfg.target, cfg.target_tp, cfg.dtype, cfg.device, cfg.target_num_cpus,
-                                      cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads,
+            dtype = pick_dtype(cfg.dtype, cfg.device)
+            self.worker = TargetGroup(cfg.target, cfg.target_tp, dtype, cfg.device, cfg.target_num_cpus, cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads,
                                       pp=cfg.target_pp, micro_batches=cfg.target_micro_batches)
             self.worker.cached()  # build the group now, so the replica is ready when Serve says so
             return
-        lm = load_model(cfg.target, cfg.dtype, cfg.device, show_progress=False)
-        self._runner = ModelRunner(lm.model, self._kv_budget)
+        lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.device, self._kv_budget, cfg.worker_threads,
+                        show_progress=False, log=_log)
+        self._runner = lm.runner
         self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)
 
     def _cached(self) -> int:
-        return self.worker.cached() if self.cfg.sharded else len(self._runner.caches)
+        return self.worker.cached() if self.cfg.sharded else self._runner.cached_count()
 
     async def stats(self) -> dict:
         out = await super().stats()

@@ -3,8 +3,9 @@
 For each prompt (HumanEval, then MT-bench first turns) every configuration runs
 once at batch 1, in rotated order so machine drift spreads evenly: ar (target
 only), speculative with fixed and dynamic gamma, filter and rollback at several
-thresholds, draft only, and HF transformers assisted generation
-(``assistant_model=``) on the same pair. Prints tokens/s, ratios to ar, the
+thresholds, draft only, llama.cpp's own generation of the target's GGUF (the
+best CPU peer; when calid runs on llama.cpp) and HF transformers assisted
+generation (``assistant_model=``, on the dequantized pair, with ``--hf``). Prints tokens/s, ratios to ar, the
 filtered fraction and acceptance length; for quality: prefix agreement with
 the target's greedy output, target-scored NLL, and HumanEval pass@1. Writes
 JSON, Markdown and a PNG of quality vs filtered fraction (CALID Fig. 3 view).
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from calid.bench.data import humaneval, humaneval_prompts, mtbench_questions
+from calid.bench.peers import LlamaCppOwn, add_backend_args
 from calid.bench.report import parse_numbers, write_report
 from calid.bench.side_by_side import Prompt, run_configs, tabulate
 from calid.decoding.modes import DecodeParams
@@ -37,22 +39,24 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96, help="HumanEval cap; MT-bench gets half")
     p.add_argument("--filter-thresholds", default="0.4,0.7,0.9", help="comma-separated top-1 probabilities")
     p.add_argument("--rollback-nlls", default="1.5,4.0", help="comma-separated target NLL bounds")
-    p.add_argument("--no-hf", action="store_true", help="skip HF assisted generation")
+    p.add_argument("--hf", action="store_true", help="also run HF assisted generation (dequantized fp32 pair; slow)")
     p.add_argument("--full", action="store_true", help="all 164 HumanEval + 80 MT-bench prompts, 512 new tokens")
     p.add_argument("--out", default="bench_results")
+    add_backend_args(p)
     p.set_defaults(func=run)
 
 
 def configs(args) -> list[tuple[str, DecodeParams | None]]:
     out = [("ar (target only)", DecodeParams(mode="ar")),
            ("speculative gamma=4", DecodeParams(mode="speculative", gamma=4, threshold=0.0)),
-           ("speculative dynamic gamma<=8 t=0.4", DecodeParams(mode="speculative", gamma=8, threshold=0.4))]
+           ("speculative dynamic gamma<=8 t=0.4", DecodeParams(mode="speculative", gamma=8, threshold=0.4)),
+           ("auto (planned per step)", DecodeParams(mode="auto", gamma=8, threshold=0.4))]
     for t in parse_numbers(args.filter_thresholds):
         out.append((f"filter t={t:g}", DecodeParams(mode="filter", gamma=8, threshold=t)))
     for r in parse_numbers(args.rollback_nlls):
         out.append((f"rollback t=0.4 nll>{r:g}", DecodeParams(mode="rollback", gamma=8, threshold=0.4, rollback_nll=r)))
     out.append(("draft only (filter t=0)", DecodeParams(mode="filter", gamma=8, threshold=0.0)))
-    if not args.no_hf:
+    if args.hf:
         out.append((HF_ASSISTED, None))
     return out
 
@@ -61,15 +65,16 @@ def configs(args) -> list[tuple[str, DecodeParams | None]]:
 def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
+    from calid.backends import cpu_summary, gguf_file, open_model
     from calid.cli import build_engine
     from calid.errors import CalidError
     from calid.generation import GenerationRequest, SamplingParams
-    from calid.models.loader import load_model
+    from calid.models.source import resolve
     from calid.text import encode_prompt
 
     n_he, n_mt, max_new = (164, 80, 512) if args.full else (args.humaneval, args.mtbench, args.max_new_tokens)
-    target = load_model(args.target)
-    engine = build_engine(target, args.draft, "fp32", "cpu", max_batch=1)
+    target = open_model(args.target, args.backend, args.dtype)
+    engine = build_engine(target, args.draft, args.backend, args.dtype, max_batch=1)
     tok = target.tokenizer
     problems = humaneval()[:n_he]
     prompts = [Prompt("humaneval", encode_prompt(tok, text), max_new, prob)
@@ -77,26 +82,26 @@ def run(args) -> int:
     prompts += [Prompt("mtbench", encode_prompt(tok, q["turns"][0]), max(16, max_new // 2))
                 for q in mtbench_questions()[:n_mt]]
     cfgs = configs(args)
-    hf_target = hf_draft = None
-    if not args.no_hf:
-        hf_target = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
-        draft_path = load_model(args.draft, show_progress=False).path if not args.draft.startswith("self:") else None
-        if draft_path is None:
-            raise CalidError("HF assisted generation needs a separate draft model; use --no-hf with self:N")
-        hf_draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=torch.float32).eval()
+    runs = [(name, decode) for name, decode in cfgs if decode is not None]
+    if target.backend == "llamacpp":  # the best CPU peer: llama.cpp decoding the target's GGUF by itself
+        own = LlamaCppOwn(gguf_file(args.target, False), target.runner.threads)
+        runs.insert(1, (LlamaCppOwn.name, own.external(target.eos_ids)))
+    if args.hf:
+        if args.draft.startswith("self:"):
+            raise CalidError("HF assisted generation needs a separate draft model; drop --hf with self:N")
+        hf_target = AutoModelForCausalLM.from_pretrained(str(resolve(args.target).path), dtype=torch.float32).eval()
+        hf_draft = AutoModelForCausalLM.from_pretrained(str(resolve(args.draft).path), dtype=torch.float32).eval()
+        runs.append((HF_ASSISTED, lambda ids, n: _hf_assisted(hf_target, hf_draft, ids, n, target.eos_ids)))
 
-    print(f"bench decode: target {target.name}, draft {args.draft}; {n_he} HumanEval + {n_mt} MT-bench prompts, "
-          f"up to {max_new} new tokens (HumanEval) at batch 1, greedy; {len(cfgs)} configurations", file=sys.stderr)
+    print(f"bench decode: target {target.describe()}, draft {args.draft}; {n_he} HumanEval + {n_mt} MT-bench "
+          f"prompts, up to {max_new} new tokens (HumanEval) at batch 1, greedy; {len(runs)} configurations",
+          file=sys.stderr)
+    print(cpu_summary(), file=sys.stderr)
     warm = GenerationRequest(prompts[0].ids[:16], SamplingParams(max_new_tokens=4), decode=DecodeParams(mode="speculative"))
     engine.generate([warm])  # first-call allocations out of the timings
-
-    hf_fn = None
-    if hf_target is not None:
-        hf_fn = lambda ids, n: _hf_assisted(hf_target, hf_draft, ids, n, target.eos_ids)
-    runs = [(name, hf_fn if decode is None else decode) for name, decode in cfgs]
     tallies = run_configs(engine, tok, prompts, runs, "bench decode")
     rows = tabulate(runs, tallies, prompts, engine.target)
-    _print_and_write(args, target.name, rows, n_he, n_mt, max_new)
+    _print_and_write(args, target, rows, n_he, n_mt, max_new)
     return 0
 
 
@@ -108,28 +113,31 @@ def _hf_assisted(hf_target, hf_draft, ids: list[int], max_new: int, eos_ids) -> 
     return out[0, len(ids):].tolist()
 
 
-def _print_and_write(args, target_name: str, rows: list[dict], n_he: int, n_mt: int, max_new: int) -> None:
+def _print_and_write(args, target, rows: list[dict], n_he: int, n_mt: int, max_new: int) -> None:
+    from calid.backends import cpu_summary
     from calid.bench.plot import quality_vs_filtered
 
     by = {r["config"]: r for r in rows}
     notes = []
-    for name in ("speculative gamma=4", "speculative dynamic gamma<=8 t=0.4"):
+    peers = [p for p in (LlamaCppOwn.name, HF_ASSISTED) if p in by]
+    for name in [n for n in by if n.startswith(("speculative", "filter", "auto"))]:
         r = by[name]
         line = f"{name} vs ar: {r['ratio_vs_ar']:.2f}x"
-        if HF_ASSISTED in by:
-            line += f", vs HF assisted generation: {r['tok_s'] / by[HF_ASSISTED]['tok_s']:.2f}x"
+        line += "".join(f", vs {p}: {r['tok_s'] / by[p]['tok_s']:.2f}x" for p in peers)
         notes.append(line)
     notes += [
         "lossless modes (speculative) must show agreement_with_ar = 1.0 under greedy decoding",
         "agreement_with_ar: share of the target's greedy output reproduced before the first difference",
         "target_nll: mean NLL the target assigns to each configuration's output tokens (lower = closer to the target)",
         f"pass_at_1 over {n_he} HumanEval problems: a small default subset, coarse (use --full for all 164)",
+        cpu_summary(),
     ]
-    meta = {"target": target_name, "draft": args.draft, "prompts": f"{n_he} HumanEval + {n_mt} MT-bench",
-            "max_new_tokens": max_new, "batch": 1, "sampling": "greedy", "threads": torch.get_num_threads()}
+    meta = {"target": target.describe(), "draft": args.draft, "prompts": f"{n_he} HumanEval + {n_mt} MT-bench",
+            "max_new_tokens": max_new, "batch": 1, "sampling": "greedy", "cpu": cpu_summary(),
+            "threads": getattr(target.runner, "threads", torch.get_num_threads())}
     out = Path(args.out)
-    js, md = write_report(out, f"decode-{target_name}", "calid draft/target decoding, side by side", meta, rows,
-                          COLUMNS, notes)
-    png = quality_vs_filtered(rows, out / f"decode-{target_name}.png")
+    stem = f"decode-{target.name}-{target.backend}"
+    js, md = write_report(out, stem, "calid draft/target decoding, side by side", meta, rows, COLUMNS, notes)
+    png = quality_vs_filtered(rows, out / f"{stem}.png")
     print(md.read_text())
     print(f"wrote {js}, {md} and {png}", file=sys.stderr)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from calid.bench import data
+from calid.bench.peers import add_backend_args
 from calid.bench.report import parse_numbers, write_report
 from calid.bench.side_by_side import Prompt, run_configs, tabulate
 from calid.decoding.modes import DecodeParams
@@ -37,7 +38,9 @@ def add_parsers(sub) -> None:
     la.add_argument("--mtbench", type=int, default=1, help="MT-bench second turns (default 1)")
     la.add_argument("--max-new-tokens", type=int, default=64)
     la.add_argument("--full", action="store_true", help="20 documents per set, 20 code, 20 MT-bench, 128 tokens")
+    la.add_argument("--hf", action="store_true", help="also run HF prompt lookup decoding (dequantized weights)")
     la.add_argument("--out", default="bench_results")
+    add_backend_args(la)
     la.set_defaults(func=run_lookahead)
 
     tr = sub.add_parser("tree", help="token trees vs the best single-chain speculative modes")
@@ -51,6 +54,7 @@ def add_parsers(sub) -> None:
                          "first 14 of 28 layers); 'none' to skip")
     tr.add_argument("--full", action="store_true", help="40 HumanEval + 20 MT-bench prompts, 256 tokens")
     tr.add_argument("--out", default="bench_results")
+    add_backend_args(tr)
     tr.set_defaults(func=run_tree)
 
 
@@ -89,19 +93,20 @@ def _code_and_chat_prompts(engine, tok, n_code: int, n_mt: int, max_new: int, se
 def run_lookahead(args) -> int:
     from transformers import AutoModelForCausalLM
 
+    from calid.backends import open_model
     from calid.decoding.lookahead import LookaheadConfig
     from calid.engine import Engine
-    from calid.models.loader import load_model
+    from calid.models.source import resolve
 
     lengths = parse_numbers(args.lengths, int)
     n_sum, n_code, n_mt, max_new = (20, 20, 20, 128) if args.full else (args.summaries, args.code, args.mtbench,
                                                                          args.max_new_tokens)
-    target = load_model(args.target)
-    engine = Engine.from_loaded(target, None, max_batch=1, lookahead=LookaheadConfig(decoding_length=max(lengths)))
+    target = open_model(args.target, args.backend, args.dtype)
+    engine = Engine.from_models(target, None, max_batch=1, lookahead=LookaheadConfig(decoding_length=max(lengths)))
     tok = target.tokenizer
     prompts = _summary_prompts(tok, n_sum, args.doc_tokens, max_new)
     prompts += _code_and_chat_prompts(engine, tok, n_code, n_mt, max_new, second_turn=True)
-    hf = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve(args.target).path), dtype=torch.float32).eval() if args.hf else None
 
     @torch.inference_mode()
     def hf_pld(ids: list[int], n: int) -> list[int]:
@@ -112,8 +117,9 @@ def run_lookahead(args) -> int:
 
     cfgs = [("ar (target only)", DecodeParams(mode="ar"))]
     cfgs += [(f"lookahead L={n}", DecodeParams(mode="lookahead", gamma=n)) for n in lengths]
-    cfgs.append((HF_PLD, hf_pld))
-    print(f"bench lookahead: {target.name}; {len(prompts)} prompts ({n_sum} XSum + {n_sum} MultiLexSum truncated to "
+    if hf is not None:
+        cfgs.append((HF_PLD, hf_pld))
+    print(f"bench lookahead: {target.describe()}; {len(prompts)} prompts ({n_sum} XSum + {n_sum} MultiLexSum truncated to "
           f"{args.doc_tokens} tokens, {n_code} HumanEval, {n_mt} MT-bench second turns); {max_new} new tokens; greedy",
           file=sys.stderr)
     tallies = run_configs(engine, tok, prompts, cfgs, "bench lookahead")
@@ -125,12 +131,12 @@ def run_lookahead(args) -> int:
 
 
 def run_tree(args) -> int:
+    from calid.backends import open_model
     from calid.cli import build_engine
-    from calid.models.loader import load_model
 
     n_code, n_mt, max_new = (40, 20, 256) if args.full else (args.code, args.mtbench, args.max_new_tokens)
-    target = load_model(args.target)
-    engine = build_engine(target, args.draft, "fp32", "cpu", max_batch=1)
+    target = open_model(args.target, args.backend, args.dtype)
+    engine = build_engine(target, args.draft, args.backend, args.dtype, max_batch=1)
     prompts = _code_and_chat_prompts(engine, target.tokenizer, n_code, n_mt, max_new, second_turn=False)
     cfgs = [("ar (target only)", DecodeParams(mode="ar")),
             ("speculative gamma=4", DecodeParams(mode="speculative", gamma=4, threshold=0.0)),
@@ -143,7 +149,7 @@ def run_tree(args) -> int:
           f"{max_new} new tokens; greedy", file=sys.stderr)
     tallies = run_configs(engine, target.tokenizer, prompts, cfgs, "bench tree")
     if args.extra_draft != "none":  # SpecInfer with two drafters: the draft model's tree + a self-draft chain
-        multi = build_engine(target, args.draft, "fp32", "cpu", max_batch=1, extra_specs=[args.extra_draft])
+        multi = build_engine(target, args.draft, args.backend, args.dtype, max_batch=1, extra_specs=[args.extra_draft])
         name = f"tree gamma=8 width=2 t=0.4 + {args.extra_draft} chain merged"
         cfgs.append((name, DecodeParams(mode="tree", gamma=8, threshold=0.4, tree_width=2)))
         tallies |= run_configs(multi, target.tokenizer, prompts, cfgs[-1:], "bench tree (two drafters)")
@@ -178,15 +184,20 @@ def _lookahead_notes(rows: list[dict], lengths: list[int]) -> list[str]:
             continue
         la = [r for r in mine if r["config"].startswith("lookahead")]
         best = max(la, key=lambda r: r["tok_s"])
-        hf = next(r for r in mine if r["config"] == HF_PLD)
-        notes.append(f"{kind}: best {best['config']} {best['ratio_vs_ar']:.2f}x ar, "
-                     f"{best['tok_s'] / hf['tok_s']:.2f}x HF prompt lookup (EDL {best['edl']:.2f})")
+        hf = next((r for r in mine if r["config"] == HF_PLD), None)
+        notes.append(f"{kind}: best {best['config']} {best['ratio_vs_ar']:.2f}x ar"
+                     + (f", {best['tok_s'] / hf['tok_s']:.2f}x HF prompt lookup" if hf else "")
+                     + f" (EDL {best['edl']:.2f})")
     notes.append("edl: effective decoding length, tokens per target forward")
     return notes
 
 
 def _report(args, name: str, title: str, meta: dict, rows: list[dict], notes: list[str]) -> int:
+    from calid.backends import cpu_summary
+
     meta["threads"] = torch.get_num_threads()
+    meta["cpu"] = cpu_summary()
+    notes.append(cpu_summary())
     js, md = write_report(Path(args.out), name, title, meta, rows, COLUMNS, notes)
     print(md.read_text())
     print(f"wrote {js} and {md}", file=sys.stderr)

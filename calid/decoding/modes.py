@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from calid.decoding.confidence import Threshold
 from calid.errors import InvalidRequestError
 
-MODES = ("ar", "filter", "rollback", "speculative", "tree", "lookahead")
+MODES = ("ar", "filter", "rollback", "speculative", "tree", "lookahead", "auto")
 TREE_MODES = ("tree", "lookahead")
 
 
@@ -15,7 +15,9 @@ TREE_MODES = ("tree", "lookahead")
 class DecodeParams:
     """How one request uses the draft.
 
-    mode          ar (target only) | filter | rollback | speculative | tree | lookahead
+    mode          ar (target only) | filter | rollback | speculative | tree | lookahead |
+                  auto (lossless: each step the planner picks ar or speculative with a draft
+                  length from measured costs and the request's acceptance; calid.planning)
     gamma         most draft tokens per target call (tree: length of the main branch;
                   lookahead: most tree nodes, capped by the trie's decoding length)
     tree_width    tree: tokens tried at an unconfident position (main + width-1 alternatives)
@@ -56,8 +58,8 @@ class DecodeParams:
 
     @property
     def uses_draft(self) -> bool:
-        """Needs a draft model (lookahead drafts from its trie instead)."""
-        return self.mode not in ("ar", "lookahead")
+        """Needs a draft model (lookahead drafts from its trie instead; auto falls back to ar without one)."""
+        return self.mode not in ("ar", "lookahead", "auto")
 
     @property
     def is_tree(self) -> bool:

@@ -54,9 +54,22 @@ class ModelRunner:
         )
         self.stats = RunnerStats()
 
+    backend = "torch"
+
     @property
     def vocab_size(self) -> int:
         return self.model.cfg.vocab_size
+
+    @property
+    def max_position(self) -> int:
+        return self.model.cfg.max_position
+
+    def cached_count(self) -> int:
+        """Sequences with a live KV cache."""
+        return len(self.caches)
+
+    def describe(self) -> str:
+        return f"torch {str(self.model.dtype).removeprefix('torch.')} on {self.model.device}"
 
     def cached_length(self, seq_id: Hashable) -> int:
         return len(self.caches.get(seq_id)) if seq_id in self.caches else 0

@@ -39,11 +39,13 @@ class _Chain:
         if t.decode.mode == "filter" and not confident:
             self.done, self.needs_target = True, True  # the target generates this token
             return
-        q = warp(row[None], t.warp)[0]
-        token = int(sample(q[None], self.generator)[0])
-        self.tokens.append(token)
-        if not t.warp.greedy:
+        if t.warp.greedy:  # one-hot q: the argmax, without a distribution over the whole vocabulary
+            token = int(row.argmax())
+        else:
+            q = warp(row[None], t.warp)[0]
+            token = int(sample(q[None], self.generator)[0])
             self.q.append(q)
+        self.tokens.append(token)
         if not confident or len(self.tokens) >= t.budget or token in self.eos_ids:
             self.done = True
 

@@ -39,7 +39,9 @@ def serve_port():
 
 @pytest.fixture(scope="session")
 def small_app(serve_port):
-    return deploy(AppConfig.small(app_name="calid", grpc_port=serve_port))
+    # fp32: the draft's confidences then match the in-process engine's exactly (bf16 on torch may round
+    # differently in another process), so filter-mode statistics compare exactly
+    return deploy(AppConfig.small(app_name="calid", grpc_port=serve_port, dtype="fp32"))
 
 
 @pytest.fixture()

@@ -22,14 +22,16 @@ PROMPTS = ["Write a Python function that checks whether a number is prime.",
 
 
 @pytest.fixture(scope="module")
-def local_engine(smol):
-    """The in-process engine with the same models as the served app (target + its first 16 layers)."""
+def local_engine():
+    """The in-process engine with the same models and backends as the served app (AppConfig.small: the
+    target on the machine's default backend, llama.cpp here; its first 16 layers as the draft, on torch fp32)."""
+    from calid.backends import open_draft, open_model
     from calid.engine import Engine
-    from calid.models.self_draft import self_draft
-    from calid.runtime.runner import ModelRunner
 
-    return Engine(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids,
-                  draft=ModelRunner(self_draft(smol.model, 16)), max_batch=16)
+    cfg = AppConfig.small(dtype="fp32")  # as the served app (conftest): fp32, so draft confidences match exactly
+    target = open_model(cfg.target, cfg.target_backend, cfg.dtype, log=lambda line: None)
+    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, log=lambda line: None)
+    return Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=16)
 
 
 def _local(engine, tokenizer, prompts, mode, max_new_tokens):
@@ -105,7 +107,7 @@ def test_health_and_models(client):
     assert h.serving and h.queue_capacity == 64
     models = client.list_models()
     assert [m.role for m in models.models] == ["target", "draft"]
-    assert set(models.modes) == set(MODES) and models.default_mode == "speculative"
+    assert set(models.modes) == set(MODES) and models.default_mode == "auto"
 
 
 def _router_idle(app: str) -> bool:

@@ -37,7 +37,7 @@ def test_served_tp3_x_pp2_group_equals_the_unsharded_model_and_survives_a_dead_s
     from ray import serve
 
     deploy(AppConfig.small(app_name="tp", grpc_port=serve_port, draft=None, target_tp=3, target_pp=2,
-                           target_num_cpus=0.25))
+                           target_num_cpus=0.25, dtype="fp32"))
     assert len(_shard_pids()) == 6
     shards = handle("tp", "target").stats.remote().result()["shards"]
     assert [(s["stage"], s["tp_rank"], s["layers"]) for s in shards] == [(st, r, 15) for st in (0, 1) for r in range(3)]

@@ -200,3 +200,45 @@ def SeqInput_(seq_id, tokens):
     from calid.runtime.runner import SeqInput
 
     return SeqInput(seq_id, list(tokens))
+
+
+def _pinned_costs(eng, verify: dict, draft: dict):
+    """Hand-built cost tables, frozen: calibration and live timings are switched off for the test."""
+    from calid.planning import CostTable
+
+    class Frozen(CostTable):
+        def observe(self, size, seconds):
+            if not self.known or getattr(self, "_open", False):
+                super().observe(size, seconds)
+
+    tables = []
+    for points in (verify, draft):
+        t = Frozen()
+        t._open = True
+        for size, secs in points.items():
+            t.observe(size, secs)
+        t._open = False
+        tables.append(t)
+    eng.orchestrator.verify_cost, eng.orchestrator.draft_cost = tables
+
+
+def test_auto_is_lossless_and_the_default_with_a_draft(tiny_model, target_only):
+    eng = engine(tiny_model, draft_layers=tiny_model.cfg.num_layers)  # a perfect draft
+    assert eng.default_decode.mode == "auto"
+    res = run(eng, None)
+    assert [r.output_ids for r in res] == target_only
+    assert engine(tiny_model, draft_layers=0).default_decode.mode == "ar"
+
+
+def test_auto_drafts_long_for_an_idle_target_and_nothing_for_a_compute_bound_one(tiny_model, target_only):
+    idle = engine(tiny_model, draft_layers=tiny_model.cfg.num_layers)
+    _pinned_costs(idle, verify={1: 0.02, 32: 0.025}, draft={1: 0.001, 8: 0.002})
+    res = run(idle, DecodeParams(mode="auto", gamma=6, threshold=0.0))
+    assert [r.output_ids for r in res] == target_only
+    assert all(r.stats.target_calls <= 24 / 4 for r in res)  # perfect draft, long drafts: few target calls
+
+    busy = engine(tiny_model, draft_layers=tiny_model.cfg.num_layers)
+    _pinned_costs(busy, verify={1: 0.02, 2: 0.04, 16: 0.32}, draft={1: 0.015, 8: 0.1})
+    res = run(busy, DecodeParams(mode="auto", gamma=6, threshold=0.0))
+    assert [r.output_ids for r in res] == target_only
+    assert all(r.stats.draft_tokens == 0 and r.stats.target_calls == 24 for r in res)

@@ -1,0 +1,223 @@
+"""Choose how a model runs: execution backend (torch or llama.cpp) and dtype, from the machine.
+
+``open_model(spec, backend, dtype, device)`` returns an :class:`OpenModel`: a
+runner the workers drive (ModelRunner or LlamaCppRunner) plus the tokenizer and
+EOS ids. The rules (``pick_backend``, ``pick_dtype``):
+
+* backend ``auto``: llama.cpp on CPU for a model that comes from a GGUF file
+  (presets, ``.gguf``), read in place with no dequantized copy; torch on CUDA,
+  for tensor/pipeline-parallel groups, and for Hugging Face folders. When
+  llama.cpp is not installed, ``auto`` says so and uses torch (never silently).
+* dtype ``auto`` (torch only): bf16 on CUDA; on CPU bf16 where the CPU has
+  native bf16 instructions (avx512_bf16, amx_bf16), fp32 otherwise: without
+  them bf16 matmuls are emulated and slower than fp32 (``calid bench dtype``).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from calid.errors import CalidError
+
+BACKENDS = ("auto", "torch", "llamacpp")
+DTYPE_CHOICES = ("auto", "fp32", "bf16")
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+class BackendError(CalidError):
+    """The requested backend cannot run this model here."""
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_summary() -> str:
+    """The CPU facts a benchmark prints beside its numbers."""
+    flags = cpu_flags()
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    return "cpu flags: " + (" ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted))
+
+
+def native_bf16() -> bool:
+    return any(f in cpu_flags() for f in NATIVE_BF16_FLAGS)
+
+
+def pick_dtype(dtype: str, device: str) -> str:
+    if dtype not in DTYPE_CHOICES:
+        raise BackendError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPE_CHOICES)})")
+    if dtype != "auto":
+        return dtype
+    if str(device).startswith("cuda"):
+        return "bf16"
+    return "bf16" if native_bf16() else "fp32"
+
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gguf_file(spec: str, show_progress: bool = True) -> Path | None:
+    """The GGUF file a spec comes from (fetched for a preset), or None for folders, hub ids and self-drafts."""
+    from calid.models.fetch import fetch_gguf
+    from calid.models.presets import PRESETS
+
+    if spec in PRESETS:
+        return fetch_gguf(PRESETS[spec], show_progress)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise BackendError(f"GGUF file not found: {path}")
+        return path
+    return None
+
+
+def pick_backend(backend: str, spec: str, device: str = "cpu", sharded: bool = False) -> tuple[str, str]:
+    """(backend, why) for ``spec``; raises BackendError when an explicit choice cannot work."""
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
+    on_gpu = str(device).startswith("cuda")
+    from_gguf = spec.startswith("self:") is False and (spec.endswith(".gguf") or _is_preset(spec))
+    if backend == "torch":
+        return "torch", "requested"
+    if backend == "llamacpp":
+        problem = ("the llama.cpp backend runs on CPU here; use --backend torch for CUDA" if on_gpu else
+                   "tensor/pipeline-parallel groups run on torch" if sharded else
+                   f"{spec!r} is not a GGUF model (a preset or a .gguf file); use --backend torch" if not from_gguf else
+                   "llama-cpp-python is not installed (pip install 'calid[cpu]')" if not llamacpp_available() else "")
+        if problem:
+            raise BackendError(problem)
+        return "llamacpp", "requested"
+    if on_gpu:
+        return "torch", "auto: CUDA runs on torch"
+    if sharded:
+        return "torch", "auto: tensor/pipeline-parallel groups run on torch"
+    if not from_gguf:
+        return "torch", "auto: not a GGUF model"
+    if not llamacpp_available():
+        return "torch", "auto: llama-cpp-python is not installed, so the GGUF is dequantized for torch"
+    return "llamacpp", "auto: GGUF model on CPU"
+
+
+def _is_preset(spec: str) -> bool:
+    from calid.models.presets import PRESETS
+
+    return spec in PRESETS
+
+
+@dataclass
+class OpenModel:
+    """A model ready for the workers: its runner, tokenizer and EOS ids, and how it runs."""
+
+    name: str
+    backend: str
+    dtype: str  # torch dtype, or the GGUF's own quantization for llama.cpp ("gguf")
+    runner: object  # ModelRunner | LlamaCppRunner
+    tokenizer: object
+    eos_ids: frozenset[int]
+    path: Path  # folder with the tokenizer and config.json
+    decode_read_bytes: int  # weight bytes one decode step reads
+    loaded: object | None = None  # the torch LoadedModel (self-drafts share its layers)
+
+    def describe(self) -> str:
+        how = self.runner.describe() if self.backend == "llamacpp" else f"torch {self.dtype}"
+        return f"{self.name} on {how}"
+
+
+def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
+               kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
+               log=None) -> OpenModel:
+    """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why."""
+    chosen, why = pick_backend(backend, spec, device)
+    say = log or (lambda line: print(line, file=sys.stderr))
+    if chosen == "llamacpp":
+        from calid.models.gguf_meta import gguf_companion
+        from calid.models.loader import eos_token_ids, load_tokenizer
+        from calid.runtime.llamacpp import LlamaCppRunner
+
+        gguf = gguf_file(spec, show_progress)
+        folder = gguf_companion(spec, gguf)
+        runner = LlamaCppRunner(gguf, kv_budget_bytes, threads)
+        tokenizer = load_tokenizer(folder)
+        say(f"[calid] {spec}: llama.cpp ({why}), {runner.describe()}")
+        return OpenModel(spec, "llamacpp", "gguf", runner, tokenizer, eos_token_ids(folder, tokenizer), folder,
+                         runner.weight_bytes)
+    from calid.models.loader import load_model
+    from calid.runtime.runner import ModelRunner
+
+    dt = pick_dtype(dtype, device)
+    lm = load_model(spec, dt, device, show_progress)
+    if backend == "auto":
+        say(f"[calid] {spec}: torch {dt} on {device} ({why})")
+    return OpenModel(lm.name, "torch", dt, ModelRunner(lm.model, kv_budget_bytes), lm.tokenizer, lm.eos_ids,
+                     lm.path, lm.decode_read_bytes, lm)
+
+
+def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
+               kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
+               log=None) -> OpenModel:
+    """A draft for ``target`` (an OpenModel, or the target's spec where it runs elsewhere): a model spec,
+    or ``self:N``, the target's first N layers, always on torch (llama.cpp cannot run a subset of a
+    model's layers)."""
+    from calid.models.self_draft import parse_self_draft, self_draft
+    from calid.runtime.runner import ModelRunner
+
+    say = log or (lambda line: print(line, file=sys.stderr))
+    layers = parse_self_draft(spec)
+    if layers is None:
+        draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log)
+        if isinstance(target, OpenModel):
+            check_vocab(target, draft)
+        return draft
+    if backend == "llamacpp":
+        raise BackendError("a self-draft (self:N) runs on torch: llama.cpp cannot run a subset of a model's layers")
+    loaded = target.loaded if isinstance(target, OpenModel) else None
+    target_name = target.name if isinstance(target, OpenModel) else target
+    dt = pick_dtype(dtype, device)
+    if loaded is None:  # the target runs on llama.cpp or elsewhere: the self-draft needs its torch layers
+        from calid.models.loader import load_model
+
+        say(f"[calid] {spec} of {target_name}: torch {dt} (llama.cpp cannot run a subset of a model's layers)")
+        loaded = load_model(target_name, dt, device, show_progress)
+    model = self_draft(loaded.model, layers)
+    return OpenModel(f"self:{layers} of {target_name}", "torch", dt, ModelRunner(model, kv_budget_bytes),
+                     loaded.tokenizer, loaded.eos_ids, loaded.path,
+                     loaded.decode_read_bytes * layers // max(1, loaded.config.num_layers), loaded)
+
+
+def check_vocab(target: OpenModel, draft: OpenModel) -> None:
+    """Draft and target must share a tokenizer and agree on the logits' width."""
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise BackendError(f"draft {draft.name} and target {target.name} have different tokenizers")
+    if draft.runner.vocab_size != target.runner.vocab_size:
+        raise BackendError(f"draft {draft.name} ({draft.runner.vocab_size} logits) and target {target.name} "
+                           f"({target.runner.vocab_size}) disagree on the vocabulary size")
+
+
+def model_facts(spec: str, backend: str = "auto", device: str = "cpu", sharded: bool = False,
+                show_progress: bool = True) -> tuple[str, Path]:
+    """(backend, folder with config.json and the tokenizer) for ``spec``, without loading its weights.
+
+    A llama.cpp model needs only its GGUF's text side; a torch model its converted folder.
+    """
+    from calid.models.source import resolve
+
+    chosen, _ = pick_backend(backend, spec, device, sharded)
+    if chosen == "llamacpp":
+        from calid.models.gguf_meta import gguf_companion
+
+        return chosen, gguf_companion(spec, gguf_file(spec, show_progress))
+    return chosen, resolve(spec, show_progress).path

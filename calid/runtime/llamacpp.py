@@ -1,0 +1,426 @@
+"""LlamaCppRunner: the ModelRunner interface on llama.cpp, straight from a GGUF file.
+
+The workers speak to a runner in token ids (``sync``, ``forward``, ``compact``,
+``release``; see calid.runtime.runner). This runner keeps every calid sequence
+in a *slot*: a llama.cpp sequence id with its own KV stream (``kv_unified``
+off). Own streams make each sequence's logits bit-identical whatever else
+shares the batch or the cache (measured: with one unified cache, a second
+sequence in the same batch moved logits by up to 2.8), which is what lets
+greedy speculative, tree and Lookahead decoding reproduce ``ar`` token for token.
+
+* one ``llama_decode`` per forward for all sequences (ragged, own positions),
+  logits only at the rows asked for;
+* rollback to any length is ``llama_memory_seq_rm`` of the tail;
+* prefix reuse: a new sequence copies the stream of the live sequence that
+  shares the longest prefix with it (same cell layout, so same numerics) and
+  trims it, instead of recomputing;
+* token trees (``SeqInput.ancestors``): one slot per branch (root-to-leaf
+  path; calid.runtime.seq_cover checks the mask is exactly that): the first
+  is fed in the sequence's own slot, each other in a copy of its stream, every
+  branch its own path, so every node sees exactly its ancestors. ``compact`` adopts the accepted branch's slot as the sequence's
+  (no copy back) and frees the others;
+* the KV budget sets the cells per slot (the longest sequence) for a fixed
+  number of slots; when slots run out the least recently used sequence is
+  evicted and recomputed from its ids on its next forward.
+
+Terms: *slot* = llama.cpp sequence id and its KV stream; *cells* = KV entries.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Hashable
+
+import numpy as np
+import torch
+
+from calid.errors import CalidError
+from calid.runtime.runner import RunnerStats, SeqInput
+from calid.runtime.seq_cover import cover
+
+DEFAULT_SLOTS = 32
+DEFAULT_CELLS_PER_SLOT = 2048
+MIN_BORROW = 16  # a shorter shared prefix is recomputed rather than copied (a copy moves the whole stream)
+N_UBATCH = 512
+
+
+class LlamaCppError(CalidError):
+    """llama.cpp could not load a model or run a forward."""
+
+
+def _lib():
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError as exc:  # pragma: no cover - exercised only without the package
+        raise LlamaCppError("the llama.cpp backend needs llama-cpp-python (bash scripts/test.sh or "
+                            "scripts/demo.sh install it); use --backend torch") from exc
+    verbose = os.environ.get("CALID_LLAMA_VERBOSE", "") == "1"
+    _logger.logger.setLevel(logging.DEBUG if verbose else logging.CRITICAL)
+    return llama_cpp
+
+
+def default_threads() -> int:
+    """CPUs this process may run on (a Ray replica's affinity, a container's CPU set)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class _Tree:
+    """A tree forward's branch slots, kept until ``compact`` picks the accepted one."""
+
+    slots: list[int]
+    member: np.ndarray  # [nodes, branches] bool: node i lies on branch k
+    tokens: list[int]  # the nodes' ids (the tree's new tokens after the shared committed ones)
+    positions: list[int]
+    first: int  # branch fed in the sequence's own slot; kept when no node is accepted
+
+
+@dataclass
+class _Seq:
+    slot: int
+    tokens: list[int] = field(default_factory=list)  # ids whose K/V the slot holds
+    tree: _Tree | None = None
+
+
+class LlamaCppRunner:
+    """``slots`` sequences at most (requests, draft lanes and tree branches together), each up to
+    ``kv_budget_bytes / slots`` of KV cells; ``threads`` defaults to the CPUs this process may use."""
+
+    backend = "llamacpp"
+
+    def __init__(self, gguf: str | Path, kv_budget_bytes: int | None = None, threads: int | None = None,
+                 slots: int = DEFAULT_SLOTS, n_batch: int = 2048):
+        lib = self._lib = _lib()
+        gguf = Path(gguf)
+        if not gguf.is_file():
+            raise LlamaCppError(f"GGUF file not found: {gguf}")
+        lib.llama_backend_init()
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self._model = lib.llama_model_load_from_file(str(gguf).encode(), mparams)
+        if not self._model:
+            raise LlamaCppError(f"llama.cpp could not load {gguf.name}")
+        self.path = gguf
+        self._vocab = lib.llama_model_get_vocab(self._model)
+        self.vocab_size = lib.llama_vocab_n_tokens(self._vocab)
+        self.cell_bytes = self._kv_bytes_per_token()
+        self.cells_per_slot = _cells_per_slot(kv_budget_bytes, slots, self.cell_bytes,
+                                              lib.llama_model_n_ctx_train(self._model))
+        self.max_position = self.cells_per_slot  # the longest sequence one slot holds
+        self.slots = slots
+        self.threads = threads or default_threads()
+        self.n_batch = n_batch
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = self.cells_per_slot * slots
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = min(N_UBATCH, n_batch)
+        cparams.n_seq_max = slots
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.kv_unified = False  # one KV stream per slot: numerics independent of the other sequences
+        cparams.no_perf = True
+        self._ctx = lib.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise LlamaCppError(f"llama.cpp could not create a context of {slots} x {self.cells_per_slot} cells "
+                                f"for {gguf.name}")
+        self._mem = lib.llama_get_memory(self._ctx)
+        self._seqs: OrderedDict[Hashable, _Seq] = OrderedDict()  # least recently used first
+        self._free = list(range(slots - 1, -1, -1))
+        self._synced: set = set()  # synced since the last forward: never evicted before it runs
+        self._batch = None
+        self._batch_cap = 0
+        self.evictions = 0
+        self.stats = RunnerStats()
+
+    # ---- facts ---------------------------------------------------------------------
+
+    def _kv_bytes_per_token(self) -> int:
+        lib, m = self._lib, self._model
+        heads, kv_heads = lib.llama_model_n_head(m), lib.llama_model_n_head_kv(m)
+        return 2 * lib.llama_model_n_layer(m) * kv_heads * (lib.llama_model_n_embd(m) // heads) * 2  # K+V, f16
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(self._lib.llama_model_size(self._model))
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.slots * self.cells_per_slot * self.cell_bytes
+
+    def describe(self) -> str:
+        return (f"llama.cpp {self.path.name}, {self.threads} threads, {self.slots} sequences x "
+                f"{self.cells_per_slot} tokens of KV ({self.kv_bytes / 2**20:.0f} MiB)")
+
+    def cached_count(self) -> int:
+        return len(self._seqs)
+
+    # ---- the runner interface ------------------------------------------------------
+
+    def cached_length(self, seq_id: Hashable) -> int:
+        s = self._seqs.get(seq_id)
+        return len(s.tokens) if s else 0
+
+    def cached_prefix(self, seq_id: Hashable, token_ids: list[int]) -> int:
+        s = self._seqs.get(seq_id)
+        return _common_prefix(s.tokens, token_ids) if s else 0
+
+    def sync(self, seq_id: Hashable, token_ids: list[int], keep_at_most: int | None = None) -> list[int]:
+        """Roll the sequence back to its longest common prefix with ``token_ids``; return the ids to feed.
+
+        A sequence new to the cache first copies the longest prefix a live sequence holds.
+        At least one id is always returned.
+        """
+        self._synced.add(seq_id)
+        s = self._get(seq_id, self._synced)
+        cap = len(token_ids) - 1 if keep_at_most is None else min(keep_at_most, len(token_ids) - 1)
+        keep = min(_common_prefix(s.tokens, token_ids), cap)
+        if not s.tokens and cap >= MIN_BORROW:
+            keep = self._borrow(s, token_ids, cap)
+        if keep < len(s.tokens):
+            self._trim(s, keep)
+        self.stats.recomputed_tokens += max(0, len(token_ids) - 1 - keep)
+        return token_ids[keep:]
+
+    def truncate(self, seq_id: Hashable, length: int) -> None:
+        s = self._seqs.get(seq_id)
+        if s is not None:
+            self._settle(s)
+            self._trim(s, min(length, len(s.tokens)))
+
+    def release(self, seq_id: Hashable) -> None:
+        s = self._seqs.pop(seq_id, None)
+        if s is None:
+            return
+        self._settle(s)
+        self._free_slot(s.slot)
+
+    def compact(self, seq_id: Hashable, rows: list[int], start: int) -> None:
+        """After a tree forward: keep cache rows ``rows`` (the accepted path, absolute) after ``start``.
+
+        Rows count as in the torch runner: the sequence's cached tokens, then the forward's tree
+        nodes in order. The accepted branch's slot becomes the sequence's slot.
+        """
+        s = self._seqs[seq_id]
+        base = len(s.tokens)  # row of the first tree node
+        main = [r for r in rows if r < base]
+        nodes = [r - base for r in rows if r >= base]
+        if main != list(range(start, start + len(main))):
+            raise LlamaCppError("compact: the kept committed rows must be packed after start")
+        tree = s.tree
+        if tree is None:
+            self._trim(s, start + len(main))
+            if nodes:
+                raise LlamaCppError("compact: no tree forward to keep nodes from")
+            return
+        at = start + len(main)
+        if [tree.positions[n] for n in nodes] != list(range(at, at + len(nodes))):
+            raise LlamaCppError("compact: the accepted tree path must lie at consecutive positions")
+        # a branch holding the whole path (all branches hold the committed rows)
+        self._adopt(s, int(np.flatnonzero(tree.member[nodes[-1]])[0]) if nodes else tree.first)
+        s.tokens += [tree.tokens[n] for n in nodes]
+        self._trim(s, at + len(nodes))
+
+    def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
+        """Feed each sequence's new tokens in one ``llama_decode``; logits [len(logits_at), V] per sequence."""
+        pinned = {inp.seq_id for inp in inputs}
+        if len(pinned) != len(inputs):
+            raise ValueError("a sequence appears twice in one forward")
+        pinned |= self._synced
+        entries, wanted = [], []  # batch entries (token, pos, slot, logits?); per input, its entries with logits
+        for inp in inputs:
+            if not inp.tokens:
+                raise ValueError(f"sequence {inp.seq_id!r} has no new tokens")
+            s = self._get(inp.seq_id, pinned)
+            past, q = len(s.tokens), len(inp.tokens)
+            positions = np.asarray(inp.positions if inp.positions is not None else range(past, past + q))
+            if positions.max() >= self.cells_per_slot:
+                raise LlamaCppError(f"sequence {inp.seq_id!r} reaches position {positions.max()}, beyond the "
+                                    f"{self.cells_per_slot} tokens of KV per sequence; raise the KV budget")
+            at = inp.logits_at if inp.logits_at is not None else [q - 1]
+            if inp.ancestors is None:
+                wanted.append([len(entries) + i for i in at])
+                entries += [(t, int(p), s.slot) for t, p in zip(inp.tokens, positions)]
+                s.tokens.extend(inp.tokens)
+            else:
+                wanted.append(self._tree_entries(s, inp, positions, at, entries, pinned))
+        self._decode(entries, sorted(i for rows in wanted for i in rows), inputs)
+        self.stats.tokens += len(entries)
+        self.stats.forwards += 1
+        self._synced.clear()
+        logits = self._logits(sum(map(len, wanted)))  # rows in batch order of the flagged entries
+        order = {e: r for r, e in enumerate(sorted(i for rows in wanted for i in rows))}
+        return [logits[[order[e] for e in rows]] for rows in wanted]
+
+    # ---- trees -----------------------------------------------------------------------
+
+    def _tree_entries(self, s: _Seq, inp: SeqInput, positions: np.ndarray, at: list[int], entries: list,
+                      pinned: set) -> list[int]:
+        """Append one branch per leaf to ``entries``; return the entries whose logits answer ``at``.
+
+        Each branch slot starts as a copy of the sequence's stream and is fed the tokens on its
+        path (the committed suffix, then its nodes), so a node sees exactly its ancestors.
+        """
+        cov = cover(inp.ancestors.cpu().numpy(), positions)
+        on_all = cov.member.all(axis=1)
+        shared = len(on_all) if on_all.all() else int(np.argmin(on_all))  # leading tokens on every branch
+        first = int(cov.query[0])  # the branch fed in the sequence's own slot: no copy
+        slots = [s.slot if k == first else self._take_slot(pinned) for k in range(cov.branches)]
+        entry_of = {}  # (token index, branch) -> batch entry
+        for k, slot in enumerate(slots):
+            if k != first:
+                self._copy_stream(s.slot, slot)
+            for i in np.flatnonzero(cov.member[:, k]):
+                entry_of[i, k] = len(entries)
+                entries.append((inp.tokens[i], int(positions[i]), slot))
+        s.tokens.extend(inp.tokens[:shared])
+        s.tree = _Tree(slots, cov.member[shared:], list(inp.tokens[shared:]),
+                       [int(p) for p in positions[shared:]], first)
+        return [entry_of[i, int(cov.query[i])] for i in at]
+
+    def _adopt(self, s: _Seq, branch: int) -> None:
+        """End a tree forward: branch ``branch``'s slot (it holds the cached prefix too) becomes the
+        sequence's own; every other slot of the tree is freed."""
+        tree, s.tree = s.tree, None
+        s.slot = tree.slots[branch]
+        for k, slot in enumerate(tree.slots):  # the sequence's old slot is one of them (branch ``first``)
+            if k != branch:
+                self._free_slot(slot)
+
+    def _settle(self, s: _Seq) -> None:
+        """A tree forward that was never compacted keeps only its committed tokens."""
+        if s.tree is not None:
+            self._adopt(s, s.tree.first)
+            self._trim(s, len(s.tokens))
+
+    # ---- llama.cpp calls -----------------------------------------------------------
+
+    def _decode(self, entries: list, flagged: list[int], inputs: list[SeqInput]) -> None:
+        self._ensure_batch(len(entries))
+        b = self._batch
+        flags = np.zeros(len(entries), dtype=bool)
+        flags[flagged] = True
+        for i, (t, p, slot) in enumerate(entries):
+            b.token[i] = t
+            b.pos[i] = p
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = slot
+            b.logits[i] = bool(flags[i])
+        b.n_tokens = len(entries)
+        rc = self._lib.llama_decode(self._ctx, b)
+        if rc != 0:
+            for inp in inputs:  # the cache may hold part of this forward: forget these sequences
+                self.release(inp.seq_id)
+            raise LlamaCppError(f"llama_decode failed (code {rc}) on {len(entries)} tokens")
+
+    def _logits(self, n: int) -> torch.Tensor:
+        """The last decode's output rows, in batch order, as one [n, V] float32 tensor."""
+        ptr = self._lib.llama_get_logits(self._ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)).copy())
+
+    def _ensure_batch(self, n_tokens: int) -> None:
+        if n_tokens > self.n_batch:
+            raise LlamaCppError(f"a forward of {n_tokens} tokens exceeds the batch size {self.n_batch}; "
+                                "prefill in chunks (max_forward_tokens)")
+        if self._batch is not None and n_tokens <= self._batch_cap:
+            return
+        if self._batch is not None:
+            self._lib.llama_batch_free(self._batch)
+        self._batch_cap = min(max(n_tokens, 2 * self._batch_cap, 64), self.n_batch)
+        self._batch = self._lib.llama_batch_init(self._batch_cap, 0, 1)
+
+    def _copy_stream(self, src: int, dst: int) -> None:
+        """Make slot ``dst`` a copy of slot ``src`` (the whole stream, same cell layout)."""
+        self._lib.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+
+    # ---- slots, sharing and eviction -------------------------------------------------
+
+    def _get(self, seq_id: Hashable, pinned: set) -> _Seq:
+        s = self._seqs.get(seq_id)
+        if s is None:
+            s = self._seqs[seq_id] = _Seq(self._take_slot(pinned | {seq_id}))
+        self._seqs.move_to_end(seq_id)
+        self._settle(s)
+        return s
+
+    def _take_slot(self, pinned: set) -> int:
+        while not self._free:
+            if not self._evict_one(pinned):
+                raise LlamaCppError(f"a forward needs more than {self.slots} sequences and tree branches; "
+                                    "raise the runner's slots")
+        return self._free.pop()
+
+    def _free_slot(self, slot: int) -> None:
+        self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        self._free.append(slot)
+
+    def _trim(self, s: _Seq, keep: int) -> None:
+        self._lib.llama_memory_seq_rm(self._mem, s.slot, keep, -1)
+        del s.tokens[keep:]
+
+    def _borrow(self, s: _Seq, token_ids: list[int], cap: int) -> int:
+        """Copy the stream of the live sequence sharing the longest prefix with ``token_ids``; its length."""
+        best, donor = 0, None
+        for other in self._seqs.values():
+            if other is not s and other.tree is None:
+                n = _common_prefix(other.tokens, token_ids)
+                if n > best:
+                    best, donor = n, other
+        best = min(best, cap)
+        if donor is None or best < MIN_BORROW:
+            return 0
+        self._copy_stream(donor.slot, s.slot)
+        s.tokens = list(donor.tokens)
+        self._trim(s, best)
+        return best
+
+    def _evict_one(self, pinned: set) -> bool:
+        for seq_id, s in self._seqs.items():
+            if seq_id not in pinned and s.tree is None:
+                self.release(seq_id)
+                self.evictions += 1
+                return True
+        return False
+
+    def close(self) -> None:
+        lib = self._lib
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            lib.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _cells_per_slot(kv_budget_bytes: int | None, slots: int, cell_bytes: int, train_ctx: int) -> int:
+    per_slot = DEFAULT_CELLS_PER_SLOT if kv_budget_bytes is None else kv_budget_bytes // (slots * cell_bytes)
+    return int(max(256, min(per_slot, train_ctx)))
+
+
+def slot_cells(cfg, kv_budget_bytes: int | None, slots: int = DEFAULT_SLOTS) -> int:
+    """The longest sequence a runner of ``cfg`` (a ModelConfig) holds: what the router admits."""
+    cell_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, f16
+    return _cells_per_slot(kv_budget_bytes, slots, cell_bytes, cfg.max_position)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n

@@ -1,0 +1,70 @@
+"""The step planner with hand-built cost models: when drafting pays and when it does not."""
+import pytest
+
+from calid.planning import Acceptance, CostTable, PlanInput, expected_tokens, plan_gammas, step_rate
+
+
+def table(points: dict[int, float]) -> CostTable:
+    t = CostTable()
+    for size, secs in points.items():
+        t.observe(size, secs)
+    return t
+
+
+GPU_LIKE = table({1: 0.020, 9: 0.022, 32: 0.030, 128: 0.060})  # verifying is almost free: memory-bound
+CPU_LIKE = table({1: 0.036, 2: 0.060, 4: 0.095, 8: 0.173, 16: 0.219})  # llama.cpp, 2 cores: compute-bound
+CHEAP_DRAFT = table({1: 0.002, 16: 0.004})
+
+
+def test_idle_target_and_high_acceptance_drafts_long():
+    assert plan_gammas([PlanInput(alpha=0.9, cap=8)], GPU_LIKE, CHEAP_DRAFT) == [8]
+
+
+def test_low_acceptance_drafts_short_or_nothing():
+    g = plan_gammas([PlanInput(alpha=0.2, cap=8)], GPU_LIKE, CHEAP_DRAFT)[0]
+    assert g <= 1
+
+
+def test_a_compute_bound_target_drafts_nothing():
+    """Where verification costs about as much per token as a decode step, speculation cannot pay."""
+    draft = table({1: 0.017, 8: 0.08})
+    assert plan_gammas([PlanInput(alpha=0.9, cap=8)], CPU_LIKE, draft) == [0]
+
+
+def test_a_saturated_target_drafts_nothing_while_an_idle_one_drafts():
+    saturated = table({1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 200: 0.40})  # linear beyond 32 tokens
+    reqs = [PlanInput(alpha=0.7, cap=6)] * 64
+    assert sum(plan_gammas(reqs, saturated, CHEAP_DRAFT)) == 0
+    assert plan_gammas(reqs[:2], saturated, CHEAP_DRAFT) != [0, 0]
+
+
+def test_caps_are_respected_and_unknown_costs_mean_no_drafting():
+    assert plan_gammas([PlanInput(alpha=0.99, cap=3)], GPU_LIKE, CHEAP_DRAFT) == [3]
+    assert plan_gammas([PlanInput(alpha=0.99, cap=3)], CostTable(), CHEAP_DRAFT) == [0]
+
+
+def test_the_plan_is_no_worse_than_plain_decoding():
+    reqs = [PlanInput(alpha=a, cap=8) for a in (0.1, 0.5, 0.8, 0.95)]
+    for verify in (GPU_LIKE, CPU_LIKE):
+        g = plan_gammas(reqs, verify, CHEAP_DRAFT)
+        assert step_rate(g, reqs, verify, CHEAP_DRAFT) >= step_rate([0] * 4, reqs, verify, CHEAP_DRAFT)
+
+
+def test_cost_table_interpolates_and_smooths():
+    t = table({1: 1.0, 5: 3.0})
+    assert t(3) == pytest.approx(2.0) and t(10) == pytest.approx(6.0)
+    t.observe(5, 4.0)
+    assert t(5) == pytest.approx(3.3)  # a new timing moves the estimate by SMOOTHING
+
+
+def test_expected_tokens_and_acceptance_estimate():
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    a = Acceptance()
+    assert a.alpha == 0.5
+    for _ in range(20):
+        a.observe(accepted=4, proposed=4)
+    assert a.alpha > 0.9
+    for _ in range(20):
+        a.observe(accepted=0, proposed=4)
+    assert a.alpha < 0.5
