@@ -219,3 +219,14 @@ def test_sampled_speculative_on_llamacpp_follows_the_target(ll):
     assert tv_p < 0.08, f"TV to target {tv_p:.3f}"  # 8 outcomes, 600 draws: sampling noise ~0.045
     assert 0.5 * (p - q).abs().sum() > 0.4 and tv_q > 0.3  # the check tells target and draft apart
     assert sum(r.stats.accepted_total for r in res) > n // 5  # draft tokens were really accepted
+
+
+def test_exact_mode_cuts_small_work_into_small_decodes_and_keeps_prompts_whole(ll):
+    r = ll.runner
+    entries = [(1, p, 0) for p in range(40)] + [(1, p, 1) for p in range(9)] + [(1, 0, 2)] + [(1, p, 3) for p in range(2)]
+    calls = r._calls(entries)
+    assert calls[0] == list(range(40))  # the 40-token prompt, whole
+    rest = calls[1:]
+    assert all(len(c) <= 3 for c in rest) and sorted(i for c in rest for i in c) == list(range(40, 52))
+    order = [i for c in rest for i in c]
+    assert [i for i in order if 40 <= i < 49] == list(range(40, 49))  # one sequence's pieces stay in order
