@@ -53,6 +53,7 @@ class Engine:
         self.orchestrator = Orchestrator(tokenizer, eos_ids, self.max_position, draft is not None, default_decode)
         self.verifier = TargetWorker(target, lookahead, shared_trie, max_forward_tokens)
         self.drafter = DraftWorker(draft, eos_ids, extra_drafts) if draft is not None else None
+        self._calibrated = False  # auto mode: forward costs measured once, on first use
 
     @classmethod
     def from_loaded(cls, target, draft=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
@@ -115,7 +116,7 @@ class Engine:
 
     def _step(self, states: list[RequestState]) -> Iterator[StreamEvent]:
         orch = self.orchestrator
-        if self.drafter is not None and not orch.verify_cost.known and any(s.req.decode.mode == "auto" for s in states):
+        if self.drafter is not None and not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
             self.calibrate()
         tasks = orch.draft_tasks(states)
         start = time.perf_counter()
@@ -135,6 +136,7 @@ class Engine:
         from calid.calibration import draft_costs, verify_costs
 
         orch = self.orchestrator
+        self._calibrated = True
         orch.verify_cost = verify_costs(self.target)
         if self.draft is not None:
             orch.draft_cost = draft_costs(self.draft)

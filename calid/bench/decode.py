@@ -97,8 +97,9 @@ def run(args) -> int:
           f"prompts, up to {max_new} new tokens (HumanEval) at batch 1, greedy; {len(runs)} configurations",
           file=sys.stderr)
     print(cpu_summary(), file=sys.stderr)
-    warm = GenerationRequest(prompts[0].ids[:16], SamplingParams(max_new_tokens=4), decode=DecodeParams(mode="speculative"))
-    engine.generate([warm])  # first-call allocations out of the timings
+    for mode in ("speculative", "auto"):  # first-call allocations, and auto's one-time calibration, out of the timings
+        engine.generate([GenerationRequest(prompts[0].ids[:16], SamplingParams(max_new_tokens=4),
+                                           decode=DecodeParams(mode=mode))])
     tallies = run_configs(engine, tok, prompts, runs, "bench decode")
     rows = tabulate(runs, tallies, prompts, engine.target)
     _print_and_write(args, target, rows, n_he, n_mt, max_new)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from calid.errors import ModelSourceError
@@ -22,6 +23,25 @@ def is_converted(out_dir: Path) -> bool:
     return (out_dir / DONE_MARKER).is_file()
 
 
+@contextmanager
+def building(out_dir: Path, what: str):
+    """A temporary folder that replaces ``out_dir`` when the block succeeds and vanishes when it fails,
+    so a half-written folder never looks complete."""
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelSourceError(f"could not {what}: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def convert_gguf(gguf_file: Path, out_dir: Path, show_progress: bool = True) -> Path:
     """Dequantize ``gguf_file`` into ``out_dir`` (written atomically); return ``out_dir``."""
     if is_converted(out_dir):
@@ -30,40 +50,29 @@ def convert_gguf(gguf_file: Path, out_dir: Path, show_progress: bool = True) -> 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     steps = ["dequantize weights", "save safetensors", "convert tokenizer"]
-    try:
-        with progress(len(steps), f"convert {gguf_file.name}", "step", show_progress) as bar:
-            bar.set_postfix_str(steps[0])
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
-            )
-            bar.update(1)
-            bar.set_postfix_str(steps[1])
-            state = _untied_state_dict(model)
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            config = model.config
-            if hasattr(config, "quantization_config"):
-                del config.quantization_config
-            config.save_pretrained(tmp)
-            model.generation_config.save_pretrained(tmp)
-            del model, state
-            bar.update(1)
-            bar.set_postfix_str(steps[2])
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-            tokenizer.save_pretrained(tmp)
-            bar.update(1)
+    with building(out_dir, f"convert {gguf_file.name}") as tmp, \
+            progress(len(steps), f"convert {gguf_file.name}", "step", show_progress) as bar:
+        bar.set_postfix_str(steps[0])
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+        )
+        bar.update(1)
+        bar.set_postfix_str(steps[1])
+        state = _untied_state_dict(model)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        del model, state
+        bar.update(1)
+        bar.set_postfix_str(steps[2])
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+        tokenizer.save_pretrained(tmp)
+        bar.update(1)
         (tmp / DONE_MARKER).write_text(json.dumps({"source": str(gguf_file)}) + "\n")
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(tmp, out_dir)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ModelSourceError(f"could not convert {gguf_file.name}: {exc}") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
-from calid.errors import ModelSourceError
-from calid.models.convert import is_converted
+from calid.models.convert import building, is_converted
 from calid.paths import cache_dir
 
 DONE_MARKER = "calid-meta.json"
@@ -32,10 +29,7 @@ def gguf_companion(spec: str, gguf: Path) -> Path:
         return out
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with building(out, f"read the tokenizer of {gguf.name}") as tmp:
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -43,12 +37,4 @@ def gguf_companion(spec: str, gguf: Path) -> Path:
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
         (tmp / DONE_MARKER).write_text(json.dumps({"source": str(gguf)}) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ModelSourceError(f"could not read the tokenizer of {gguf.name}: {exc}") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -54,6 +54,11 @@ class LlamaCppError(CalidError):
 
 
 def _lib():
+    # llama.cpp's OpenMP threads spin after every decode by default; beside a second model (the draft)
+    # and torch's own threads on the same cores, the spinning starves whoever runs next (measured: a
+    # 2-token target step 0.13-3.2 s instead of 0.10 s). Passive waiting must be set before the OpenMP
+    # runtime loads; an explicit OMP_WAIT_POLICY wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import llama_cpp
         from llama_cpp import _logger
@@ -268,11 +273,12 @@ class LlamaCppRunner:
     def _calls(self, entries: list) -> list[list[int]]:
         """Group a forward's entries into llama_decode calls.
 
-        Not exact: one call. Exact: runs (a sequence's or branch's consecutive entries) longer than
-        PREFILL_ROWS (prompts) go together in one call; shorter runs are cut into pieces of at most
-        EXACT_ROWS rows and decoded in rounds, so every decode and verification row is computed by the
-        same small-batch kernels as a one-token step: llama.cpp's repacked K-quant matmuls round
-        differently from 4 rows on (measured on Qwen2.5 Q4_K_M: logits moved by up to 0.47).
+        Not exact: one call. Exact: a run (a sequence's or branch's consecutive entries) longer than
+        PREFILL_ROWS (a prompt) gets a call of its own, so its rows start at row 0 whatever else is
+        prefilled; shorter runs are cut into pieces of at most EXACT_ROWS rows and decoded in rounds, so
+        every decode and verification row is computed by the same small-batch kernels as a one-token
+        step. llama.cpp's repacked K-quant matmuls work in tiles of 4 rows: from 4 rows on, a row's
+        logits depend on its place in the batch (measured on Qwen2.5 Q4_K_M: by up to 0.47).
         """
         if not self.exact:
             return [list(range(len(entries)))]
@@ -281,7 +287,7 @@ class LlamaCppRunner:
             if i == len(entries) or entries[i][2] != entries[start][2]:
                 runs.append(range(start, i))
                 start = i
-        calls = [[i for r in runs if len(r) > PREFILL_ROWS for i in r]]
+        calls = [list(r) for r in runs if len(r) > PREFILL_ROWS]  # a prompt alone: its rows start at 0
         pieces = [[list(r[k:k + EXACT_ROWS]) for k in range(0, len(r), EXACT_ROWS)] for r in runs
                   if len(r) <= PREFILL_ROWS]
         for round_ in range(max(map(len, pieces), default=0)):
