@@ -44,7 +44,7 @@ from calid.runtime.seq_cover import cover
 DEFAULT_SLOTS = 32
 DEFAULT_CELLS_PER_SLOT = 2048
 EXACT_ROWS = 3  # llama.cpp's CPU matmuls give the same rows as a one-token step up to this many rows
-PREFILL_ROWS = 32  # a longer run is a prompt: prefilled in one call (same split in every mode)
+BLOCK = 32  # exact mode prefills whole position blocks of this size in one call each
 MIN_BORROW = 16  # a shorter shared prefix is recomputed rather than copied (a copy moves the whole stream)
 N_UBATCH = 512
 
@@ -235,13 +235,17 @@ class LlamaCppRunner:
         self._trim(s, at + len(nodes))
 
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
-        """Feed each sequence's new tokens (``_calls``: one ``llama_decode``, or a few small ones when exact);
-        logits [len(logits_at), V] per sequence."""
+        """Feed each sequence's new tokens; logits [len(logits_at), V] per sequence.
+
+        Phase A decodes every chain and the committed tokens of every tree input on the sequence's own
+        slot; phase B the tree nodes, each branch on its own slot (a copy of the sequence's stream made
+        between the phases). ``_calls`` groups each phase's tokens into llama_decode calls.
+        """
         pinned = {inp.seq_id for inp in inputs}
         if len(pinned) != len(inputs):
             raise ValueError("a sequence appears twice in one forward")
         pinned |= self._synced
-        entries, wanted = [], []  # batch entries (token, pos, slot, logits?); per input, its entries with logits
+        entries, wanted, trees = [], [], []  # entries: (token, position, slot); wanted: entries giving logits
         for inp in inputs:
             if not inp.tokens:
                 raise ValueError(f"sequence {inp.seq_id!r} has no new tokens")
@@ -252,77 +256,90 @@ class LlamaCppRunner:
                 raise LlamaCppError(f"sequence {inp.seq_id!r} reaches position {positions.max()}, beyond the "
                                     f"{self.cells_per_slot} tokens of KV per sequence; raise the KV budget")
             at = inp.logits_at if inp.logits_at is not None else [q - 1]
-            if inp.ancestors is None:
-                wanted.append([len(entries) + i for i in at])
-                entries += [(t, int(p), s.slot) for t, p in zip(inp.tokens, positions)]
-                s.tokens.extend(inp.tokens)
-            else:
-                wanted.append(self._tree_entries(s, inp, positions, at, entries, pinned))
+            cov = cover(inp.ancestors.cpu().numpy(), positions) if inp.ancestors is not None else None
+            own = q if cov is None else _shared_prefix(cov)  # tokens on the sequence's own slot
+            base = len(entries)
+            entries += [(t, int(p), s.slot) for t, p in zip(inp.tokens[:own], positions[:own])]
+            s.tokens.extend(inp.tokens[:own])
+            wanted.append([base + i for i in at] if cov is None else None)
+            if cov is not None:
+                trees.append((len(wanted) - 1, s, inp, positions, at, cov, own, base))
+        phase_b = len(entries)
+        copies = []
+        for k, s, inp, positions, at, cov, own, base in trees:
+            wanted[k] = self._tree_nodes(s, inp, positions, at, cov, own, base, entries, copies, pinned)
         flagged = {i for rows in wanted for i in rows}
         got = {}  # entry -> its logits row
-        for call in self._calls(entries):
-            self._decode([entries[i] for i in call], [i in flagged for i in call], inputs)
-            mine = [i for i in call if i in flagged]
-            if mine:
-                got.update(zip(mine, self._logits(len(mine))))
+        for lo, hi in ((0, phase_b), (phase_b, len(entries))):
+            if lo == phase_b:
+                for src, dst in copies:  # after phase A: the copies hold the committed tokens
+                    self._copy_stream(src, dst)
+            for call in self._calls(entries[lo:hi]):
+                call = [lo + i for i in call]
+                self._decode([entries[i] for i in call], [i in flagged for i in call], inputs)
+                mine = [i for i in call if i in flagged]
+                if mine:
+                    got.update(zip(mine, self._logits(len(mine))))
         self.stats.tokens += len(entries)
         self.stats.forwards += 1
         self._synced.clear()
         return [torch.stack([got[e] for e in rows]) for rows in wanted]
 
     def _calls(self, entries: list) -> list[list[int]]:
-        """Group a forward's entries into llama_decode calls.
+        """Group entries into llama_decode calls.
 
-        Not exact: one call. Exact: a run (a sequence's or branch's consecutive entries) longer than
-        PREFILL_ROWS (a prompt) gets a call of its own, so its rows start at row 0 whatever else is
-        prefilled; shorter runs are cut into pieces of at most EXACT_ROWS rows and decoded in rounds, so
-        every decode and verification row is computed by the same small-batch kernels as a one-token
-        step. llama.cpp's repacked K-quant matmuls work in tiles of 4 rows: from 4 rows on, a row's
-        logits depend on its place in the batch (measured on Qwen2.5 Q4_K_M: by up to 0.47).
+        Not exact: one call. Exact: each run (a slot's consecutive entries) is cut at positions that
+        are multiples of BLOCK; a run segment that fills a whole block gets a call of its own, any other
+        segment is decoded in pieces of at most EXACT_ROWS rows, so every row is computed the same way
+        whatever else shares the forward and however its request was scheduled: a prompt's full blocks
+        always in BLOCK-row calls, decode steps, verifications and a prompt's tail by the small-batch
+        kernels of a one-token step. (llama.cpp's repacked K-quant matmuls work in tiles of 4 rows: from
+        4 rows on, a row's logits depend on its place in the batch; measured on Qwen2.5 Q4_K_M: by up
+        to 0.47.) Segments of one run stay in order; the i-th segments of all runs share a round.
         """
         if not self.exact:
-            return [list(range(len(entries)))]
+            return [list(range(len(entries)))] if entries else []
         runs, start = [], 0
         for i in range(1, len(entries) + 1):
             if i == len(entries) or entries[i][2] != entries[start][2]:
-                runs.append(range(start, i))
+                runs.append(_segments(range(start, i), [entries[j][1] for j in range(start, i)]))
                 start = i
-        calls = [list(r) for r in runs if len(r) > PREFILL_ROWS]  # a prompt alone: its rows start at 0
-        pieces = [[list(r[k:k + EXACT_ROWS]) for k in range(0, len(r), EXACT_ROWS)] for r in runs
-                  if len(r) <= PREFILL_ROWS]
-        for round_ in range(max(map(len, pieces), default=0)):
-            calls.append([])
-            for piece in (p[round_] for p in pieces if round_ < len(p)):
-                if len(calls[-1]) + len(piece) > EXACT_ROWS:
-                    calls.append([])
-                calls[-1].extend(piece)
-        return [c for c in calls if c]
+        calls = []
+        for round_ in range(max(map(len, runs), default=0)):
+            small = []
+            for seg in (r[round_] for r in runs if round_ < len(r)):
+                if len(seg) > EXACT_ROWS:
+                    calls.append(seg)
+                    continue
+                if len(small) + len(seg) > EXACT_ROWS:
+                    calls.append(small)
+                    small = []
+                small = small + seg
+            if small:
+                calls.append(small)
+        return calls
 
     # ---- trees -----------------------------------------------------------------------
 
-    def _tree_entries(self, s: _Seq, inp: SeqInput, positions: np.ndarray, at: list[int], entries: list,
-                      pinned: set) -> list[int]:
-        """Append one branch per leaf to ``entries``; return the entries whose logits answer ``at``.
+    def _tree_nodes(self, s: _Seq, inp: SeqInput, positions: np.ndarray, at: list[int], cov, own: int,
+                    base: int, entries: list, copies: list, pinned: set) -> list[int]:
+        """Append a tree's nodes, one slot per branch, to ``entries``; return the entries answering ``at``.
 
-        Each branch slot starts as a copy of the sequence's stream and is fed the tokens on its
-        path (the committed suffix, then its nodes), so a node sees exactly its ancestors.
+        The committed tokens (the first ``own``, on every branch) went to the sequence's own slot at
+        ``base``; the first branch continues there, every other one in a copy of that stream (queued in
+        ``copies``), so each node sees exactly its ancestors.
         """
-        cov = cover(inp.ancestors.cpu().numpy(), positions)
-        on_all = cov.member.all(axis=1)
-        shared = len(on_all) if on_all.all() else int(np.argmin(on_all))  # leading tokens on every branch
-        first = int(cov.query[0])  # the branch fed in the sequence's own slot: no copy
+        first = int(cov.query[own]) if own < len(inp.tokens) else 0  # the branch fed on the own slot: no copy
         slots = [s.slot if k == first else self._take_slot(pinned) for k in range(cov.branches)]
         entry_of = {}  # (token index, branch) -> batch entry
         for k, slot in enumerate(slots):
             if k != first:
-                self._copy_stream(s.slot, slot)
-            for i in np.flatnonzero(cov.member[:, k]):
+                copies.append((s.slot, slot))
+            for i in np.flatnonzero(cov.member[own:, k]) + own:
                 entry_of[i, k] = len(entries)
                 entries.append((inp.tokens[i], int(positions[i]), slot))
-        s.tokens.extend(inp.tokens[:shared])
-        s.tree = _Tree(slots, cov.member[shared:], list(inp.tokens[shared:]),
-                       [int(p) for p in positions[shared:]], first)
-        return [entry_of[i, int(cov.query[i])] for i in at]
+        s.tree = _Tree(slots, cov.member[own:], list(inp.tokens[own:]), [int(p) for p in positions[own:]], first)
+        return [base + i if i < own else entry_of[i, int(cov.query[i])] for i in at]
 
     def _adopt(self, s: _Seq, branch: int) -> None:
         """End a tree forward: branch ``branch``'s slot (it holds the cached prefix too) becomes the
@@ -444,6 +461,28 @@ class LlamaCppRunner:
             self.close()
         except Exception:
             pass
+
+
+def _shared_prefix(cov) -> int:
+    """Leading tokens of a tree input that lie on every branch (the committed suffix)."""
+    on_all = cov.member.all(axis=1)
+    return len(on_all) if on_all.all() else int(np.argmin(on_all))
+
+
+def _segments(run: range, positions: list[int]) -> list[list[int]]:
+    """Cut a run at multiples of BLOCK: a whole block stays one segment, the rest in EXACT_ROWS pieces."""
+    out, i = [], 0
+    while i < len(run):
+        j = i
+        while j < len(run) and positions[j] // BLOCK == positions[i] // BLOCK:
+            j += 1
+        block = list(run[i:j])
+        if len(block) == BLOCK:
+            out.append(block)
+        else:
+            out += [block[k:k + EXACT_ROWS] for k in range(0, len(block), EXACT_ROWS)]
+        i = j
+    return out
 
 
 def _cells_per_slot(kv_budget_bytes: int | None, slots: int, cell_bytes: int, train_ctx: int) -> int:

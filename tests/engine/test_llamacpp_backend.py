@@ -221,12 +221,15 @@ def test_sampled_speculative_on_llamacpp_follows_the_target(ll):
     assert sum(r.stats.accepted_total for r in res) > n // 5  # draft tokens were really accepted
 
 
-def test_exact_mode_cuts_small_work_into_small_decodes_and_keeps_prompts_whole(ll):
+def test_exact_mode_keeps_whole_position_blocks_and_cuts_the_rest_small(ll):
     r = ll.runner
-    entries = [(1, p, 0) for p in range(40)] + [(1, p, 1) for p in range(9)] + [(1, 0, 2)] + [(1, p, 3) for p in range(2)]
+    runs = {0: range(0, 40), 1: range(50, 59), 2: range(0, 1), 3: range(7, 9)}  # slot -> positions
+    entries = [(1, p, slot) for slot, ps in runs.items() for p in ps]
     calls = r._calls(entries)
-    assert calls[0] == list(range(40))  # the 40-token prompt, whole
-    rest = calls[1:]
-    assert all(len(c) <= 3 for c in rest) and sorted(i for c in rest for i in c) == list(range(40, 52))
-    order = [i for c in rest for i in c]
-    assert [i for i in order if 40 <= i < 49] == list(range(40, 49))  # one sequence's pieces stay in order
+    assert calls[0] == list(range(32))  # positions 0..31 of the prompt: one whole block, one call
+    assert all(len(c) == 32 or len(c) <= 3 for c in calls)
+    assert sorted(i for c in calls for i in c) == list(range(len(entries)))
+    order = [i for c in calls for i in c]
+    for slot in runs:  # a slot's tokens are decoded in order
+        mine = [i for i in order if entries[i][2] == slot]
+        assert mine == sorted(mine)
