@@ -131,6 +131,11 @@ class Engine:
             orch.observe_verify(self.target.stats.tokens - fed, time.perf_counter() - start)
         yield from orch.after_verify(results)
 
+    def set_costs(self, verify, draft) -> None:
+        """Use these cost tables (calid.planning.CostTable) for the auto mode instead of measuring."""
+        self._calibrated = True
+        self.orchestrator.verify_cost, self.orchestrator.draft_cost = verify, draft
+
     def calibrate(self) -> None:
         """Measure target and draft forward costs once, for the auto mode's planner."""
         from calid.calibration import draft_costs, verify_costs

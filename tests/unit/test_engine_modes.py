@@ -219,7 +219,7 @@ def _pinned_costs(eng, verify: dict, draft: dict):
             t.observe(size, secs)
         t._open = False
         tables.append(t)
-    eng.orchestrator.verify_cost, eng.orchestrator.draft_cost = tables
+    eng.set_costs(*tables)
 
 
 def test_auto_is_lossless_and_the_default_with_a_draft(tiny_model, target_only):
