@@ -90,7 +90,7 @@ def pick_backend(backend: str, spec: str, device: str = "cpu", sharded: bool = F
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     on_gpu = str(device).startswith("cuda")
-    from_gguf = spec.startswith("self:") is False and (spec.endswith(".gguf") or _is_preset(spec))
+    from_gguf = not spec.startswith("self:") and (spec.endswith(".gguf") or _is_preset(spec))
     if backend == "torch":
         return "torch", "requested"
     if backend == "llamacpp":

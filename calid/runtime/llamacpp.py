@@ -8,8 +8,11 @@ shares the batch or the cache (measured: with one unified cache, a second
 sequence in the same batch moved logits by up to 2.8), which is what lets
 greedy speculative, tree and Lookahead decoding reproduce ``ar`` token for token.
 
-* one ``llama_decode`` per forward for all sequences (ragged, own positions),
-  logits only at the rows asked for;
+* all sequences of a forward in one ``llama_decode`` (ragged, own positions,
+  logits only at the rows asked for), or, in exact mode (the default), in a
+  few: whole 32-position blocks of a prompt in one call each, everything else
+  in calls of at most 3 rows, because llama.cpp's repacked K-quant matmuls
+  round a row differently by its place in a larger batch (``_calls``);
 * rollback to any length is ``llama_memory_seq_rm`` of the tail;
 * prefix reuse: a new sequence copies the stream of the live sequence that
   shares the longest prefix with it (same cell layout, so same numerics) and
