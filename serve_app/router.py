@@ -179,9 +179,12 @@ class Router:
         except CalidError as e:
             code = grpc.StatusCode.INVALID_ARGUMENT
             return self._refuse(grpc_context, request.mode or "default", code, str(e))
-        if len(self._waiting) >= self.cfg.queue_capacity and len(self.orch.active) >= self.cfg.max_active:
+        # the bound holds whatever the step loop is doing: slots fill only between steps, so a burst
+        # that arrives during a step must count against decoding slots and queue together
+        if len(self._waiting) + len(self.orch.active) >= self.cfg.max_active + self.cfg.queue_capacity:
             return self._refuse(grpc_context, req.decode.mode, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"admission queue is full ({self.cfg.queue_capacity} waiting); retry later")
+                                f"admission queue is full ({self.cfg.queue_capacity} waiting beside "
+                                f"{self.cfg.max_active} decoding); retry later")
         r = _Request(request.request_id or req.request_id, req.decode.mode, req)
         self._requests[req.request_id] = r
         self._waiting.append(req.request_id)

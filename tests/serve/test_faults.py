@@ -87,3 +87,26 @@ def test_no_worker_answers_is_unavailable_after_retries(serve_port):
     assert ctx.code == grpc.StatusCode.UNAVAILABLE and "target deployment could not serve" in ctx.message
     assert dead.calls == 3 and resp.text == ""
     assert not router.orch.active and not router._requests  # nothing left behind
+
+
+def test_admission_holds_for_a_burst_that_arrives_between_steps(serve_port):
+    """150 requests opened before the step loop runs once: exactly max_active + queue_capacity are admitted,
+    the rest are refused with RESOURCE_EXHAUSTED at once (the bound used to be checked only with every
+    decoding slot busy, which is never true before the loop fills them)."""
+    from serve_app.router import Router
+
+    async def burst():
+        router = Router.func_or_class(AppConfig.small(draft=None, max_active=4, queue_capacity=6).model_dump(),
+                                      None, _DeadHandle())
+        contexts = [_Context() for _ in range(150)]
+        opened = [router._open(pb.GenerateRequest(prompt="hi", max_new_tokens=4), c) for c in contexts]
+        admitted = [r for r in opened if r is not None]
+        refused = [c for c in contexts if c.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        for r in admitted:
+            router._close(r)
+        router._loop_task.cancel()
+        return len(admitted), len(refused), refused[0].message
+
+    admitted, refused, message = asyncio.run(burst())
+    assert (admitted, refused) == (10, 140)
+    assert "admission queue is full (6 waiting beside 4 decoding)" in message
