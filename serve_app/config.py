@@ -74,6 +74,12 @@ class AppConfig(BaseModel):
     target_resources: dict[str, float] = Field(default_factory=dict)
     draft_scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     target_scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="largest Generate request on the wire; larger "
+                                   "ones are refused before any tokenizing")
+    max_new_tokens_limit: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
+    max_stop_strings: int = Field(16, ge=0)
+    max_stop_chars: int = Field(256, ge=1)
+    max_messages: int = Field(64, ge=1)
     grpc_port: int = Field(50051, ge=1, le=65535)
     app_name: str = "calid"
 
@@ -101,6 +107,13 @@ class AppConfig(BaseModel):
             if self.draft is None and self.default_mode not in ("ar", "lookahead"):
                 raise ValueError(f"default_mode {self.default_mode!r} needs a draft model; draft is not set")
         return self
+
+    @property
+    def limits(self):
+        from serve_app.protocol import Limits
+
+        return Limits(self.max_request_bytes, self.max_new_tokens_limit, self.max_stop_strings, self.max_stop_chars,
+                      self.max_messages)
 
     @property
     def sharded(self) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from calid.decoding.modes import DecodeParams
 from calid.errors import InvalidRequestError
@@ -10,7 +11,32 @@ from calid.text import encode_prompt
 from calid.v1 import calid_pb2 as pb
 
 ROLES = ("system", "user", "assistant")
-MAX_STOP = 16
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server; checked before the chat template or tokenizer run."""
+
+    max_request_bytes: int = 1 << 20
+    max_new_tokens: int = 4096
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_messages: int = 64
+
+
+def check_limits(msg: pb.GenerateRequest, limits: Limits) -> None:
+    """Refuse an oversized request by its wire size and counts alone (no tokenizing)."""
+    size = msg.ByteSize()
+    if size > limits.max_request_bytes:
+        raise InvalidRequestError(f"request is {size} bytes, over the server's limit of {limits.max_request_bytes}")
+    if msg.HasField("max_new_tokens") and msg.max_new_tokens > limits.max_new_tokens:
+        raise InvalidRequestError(f"max_new_tokens must be at most {limits.max_new_tokens}, got {msg.max_new_tokens}")
+    if len(msg.stop) > limits.max_stop:
+        raise InvalidRequestError(f"stop takes at most {limits.max_stop} strings, got {len(msg.stop)}")
+    if any(len(s) > limits.max_stop_chars for s in msg.stop):
+        raise InvalidRequestError(f"stop strings may be at most {limits.max_stop_chars} characters long")
+    if len(msg.messages) > limits.max_messages:
+        raise InvalidRequestError(f"messages takes at most {limits.max_messages} entries, got {len(msg.messages)}")
 
 
 def prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
@@ -26,13 +52,13 @@ def prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
     return encode_prompt(tokenizer, msg.prompt, chat=not msg.raw_prompt)
 
 
-def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams) -> GenerationRequest:
+def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits: Limits = Limits()
+               ) -> GenerationRequest:
     """A GenerationRequest from the wire; raises InvalidRequestError naming the bad field."""
+    check_limits(msg, limits)
     for name in ("temperature", "top_p", "threshold"):
         if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)!r}")
-    if len(msg.stop) > MAX_STOP:
-        raise InvalidRequestError(f"stop takes at most {MAX_STOP} strings, got {len(msg.stop)}")
     params = SamplingParams(
         max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else SamplingParams.max_new_tokens,
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,

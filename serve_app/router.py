@@ -172,7 +172,7 @@ class Router:
     def _open(self, request: pb.GenerateRequest, grpc_context) -> _Request | None:
         """Validate and admit; on refusal set the status code and return None."""
         try:
-            req = protocol.to_request(request, self.tokenizer, self.orch.default_decode)
+            req = protocol.to_request(request, self.tokenizer, self.orch.default_decode, self.cfg.limits)
             self._n += 1
             req.request_id = f"{self._id}-{self._n}"
             self.orch.validate(req)

@@ -48,3 +48,21 @@ def test_bad_fields_are_named(kw, field):
     kw.setdefault("prompt", "hello" if "messages" not in kw else None)
     with pytest.raises(InvalidRequestError, match=field.replace("[", r"\[").replace("]", r"\]")):
         protocol.to_request(build_request(**kw), _Tok(), DEFAULT)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"prompt": "x" * 5000}, "request is 50[0-9][0-9] bytes, over the server's limit of 4096"),
+    ({"max_new_tokens": 2**32 - 1}, "max_new_tokens must be at most 512"),
+    ({"stop": ["s"] * 5}, "stop takes at most 4 strings"),
+    ({"stop": ["x" * 40]}, "at most 32 characters"),
+    ({"prompt": None, "messages": [{"role": "user", "content": "x"}] * 3}, "messages takes at most 2 entries"),
+])
+def test_limits_refuse_before_any_tokenizing(kw, message):
+    class NeverTokenize(_Tok):
+        def __call__(self, *a, **k):
+            raise AssertionError("tokenized an over-limit request")
+
+    limits = protocol.Limits(max_request_bytes=4096, max_new_tokens=512, max_stop=4, max_stop_chars=32, max_messages=2)
+    kw.setdefault("prompt", "hello")
+    with pytest.raises(InvalidRequestError, match=message):
+        protocol.to_request(build_request(**kw), NeverTokenize(), DEFAULT, limits)
