@@ -92,6 +92,8 @@ def test_sixteen_concurrent_streams_are_correct_and_batched(small_app, local_eng
     ({"prompt": ""}, "prompt"),
     ({"gamma": 99}, "gamma"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 2**32 - 1}, "max_new_tokens must be at most 4096"),
+    ({"prompt": "word " * 300_000}, "over the server's limit"),
 ])
 def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(client, kw, field):
     prompt = kw.pop("prompt", "Say hello.")
