@@ -29,17 +29,6 @@ def self_draft(target: LlamaModel, num_layers: int) -> LlamaModel:
     return draft.eval()
 
 
-def load_draft(spec: str, target_spec: str, dtype="fp32", device="cpu", show_progress: bool = True):
-    """A draft as a LoadedModel: a model spec, or ``self:N`` (the target's first N layers)."""
-    from calid.models.loader import load_model
-
-    layers = parse_self_draft(spec)
-    if layers is None:
-        return load_model(spec, dtype, device, show_progress)
-    target = load_model(target_spec, dtype, device, show_progress)
-    return replace_model(target, self_draft(target.model, layers), f"self:{layers} of {target.name}")
-
-
 def parse_self_draft(spec: str) -> int | None:
     """N for ``self:N``, None for any other spec."""
     if not spec.startswith("self:"):
@@ -48,9 +37,3 @@ def parse_self_draft(spec: str) -> int | None:
         return int(spec[5:])
     except ValueError:
         raise CalidError(f"a self-draft spec self:N needs an integer N (the target's first N layers), got {spec!r}") from None
-
-
-def replace_model(loaded, model: LlamaModel, name: str):
-    from dataclasses import replace as dc_replace
-
-    return dc_replace(loaded, model=model, name=name)
