@@ -27,6 +27,7 @@ class TextStream:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self._matcher = StopMatcher(self.stop) if self.stop else None
         self.ids: list[int] = []
         self._prefix = 0  # ids[_prefix:_read] decode to text already accounted for
         self._read = 0
@@ -55,13 +56,16 @@ class TextStream:
         return self._release(final=True)
 
     def _check_stop(self, added: int) -> None:
-        if not self.stop:
+        """Feed the new text to the stop matcher; cut the text at the first stop string that completes."""
+        if self._matcher is None:
             return
-        lo = max(0, len(self.text) - added - max(map(len, self.stop)))
-        hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
+        base = len(self.text) - added
+        for i, ch in enumerate(self.text[base:]):
+            length = self._matcher.feed(ch)
+            if length:
+                self.text = self.text[: base + i + 1 - length]
+                self.stopped = True
+                return
 
     def _release(self, final: bool) -> str:
         safe = len(self.text)
@@ -73,10 +77,55 @@ class TextStream:
 
     def _partial_stop_len(self) -> int:
         """Length of the longest tail of text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        return self._matcher.depth if self._matcher is not None else 0
+
+
+class StopMatcher:
+    """Aho-Corasick automaton over the stop strings, fed one character at a time.
+
+    Linear in the text and the stop strings together: every character costs
+    amortised O(1) however many stop strings there are or how long they are.
+    ``depth`` is the length of the longest tail of the text fed so far that is a
+    prefix of some stop string, which is exactly what a stream must hold back.
+    """
+
+    def __init__(self, stops: tuple[str, ...]):
+        self._next: list[dict[str, int]] = [{}]
+        self._depth = [0]
+        self._ends = [0]  # the longest stop string ending at this state (via suffix links), 0 for none
+        for s in stops:
+            node = 0
+            for ch in s:
+                nxt = self._next[node].get(ch)
+                if nxt is None:
+                    nxt = len(self._next)
+                    self._next[node][ch] = nxt
+                    self._next.append({})
+                    self._depth.append(self._depth[node] + 1)
+                    self._ends.append(0)
+                node = nxt
+            self._ends[node] = len(s)
+        self._fail = [0] * len(self._next)
+        order = list(self._next[0].values())
+        for node in order:  # breadth first, so a node's suffix link is final before its children use it
+            for ch, child in self._next[node].items():
+                f = self._fail[node]
+                while f and ch not in self._next[f]:
+                    f = self._fail[f]
+                link = self._next[f].get(ch, 0)
+                self._fail[child] = link if link != child else 0
+                self._ends[child] = self._ends[child] or self._ends[self._fail[child]]
+                order.append(child)
+        self._state = 0
+
+    @property
+    def depth(self) -> int:
+        return self._depth[self._state]
+
+    def feed(self, ch: str) -> int:
+        """Advance by one character; returns the length of the stop string that ends here (0 if none)."""
+        node = self._state
+        while node and ch not in self._next[node]:
+            node = self._fail[node]
+        self._state = self._next[node].get(ch, 0)
+        return self._ends[self._state]

@@ -41,3 +41,44 @@ def test_partial_stop_prefix_is_held_back_then_released():
 def test_earliest_of_several_stop_strings_wins():
     deltas, stream = run("one two three", stop=("three", "two"))
     assert "".join(deltas) == "one "
+
+
+# ---- the stop matcher against a brute-force reference -------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from calid.text import StopMatcher  # noqa: E402
+
+_small = st.text(alphabet="abc", min_size=1, max_size=6)
+
+
+def _reference(text: str, stops: tuple[str, ...]) -> tuple[str, bool, int]:
+    """Cut at the first stop string to complete (the longest of those ending at the same place); else the
+    longest tail that is a proper prefix of a stop string, by trying every length."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            return text[: end - max(map(len, done))], True, 0
+    hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text, False, hold
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30), stops=st.lists(_small, min_size=1, max_size=4))
+def test_stream_cuts_and_holds_back_like_the_brute_force_reference(text, stops):
+    stops = tuple(stops)
+    deltas, stream = run(text, stops)
+    want_text, want_stopped, _ = _reference(text, stops)
+    assert (stream.text, stream.stopped) == (want_text, want_stopped)
+    assert "".join(deltas) == want_text
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30), stops=st.lists(_small, min_size=1, max_size=4))
+def test_matcher_depth_is_the_longest_partial_stop(text, stops):
+    stops = tuple(stops)
+    m = StopMatcher(stops)
+    for i, ch in enumerate(text):
+        if m.feed(ch):
+            return  # the reference's cut is checked above
+        assert m.depth == _reference(text[: i + 1], stops)[2]
