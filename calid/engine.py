@@ -52,7 +52,8 @@ class Engine:
         self.max_position = target.max_position
         self.orchestrator = Orchestrator(tokenizer, eos_ids, self.max_position, draft is not None, default_decode)
         self.verifier = TargetWorker(target, lookahead, shared_trie, max_forward_tokens)
-        self.drafter = DraftWorker(draft, eos_ids, extra_drafts) if draft is not None else None
+        self.drafter = (DraftWorker(draft, eos_ids, extra_drafts, max_forward_tokens)
+                        if draft is not None else None)
         self._calibrated = False  # auto mode: forward costs measured once, on first use
 
     @classmethod

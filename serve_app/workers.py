@@ -129,7 +129,7 @@ class DraftDeployment(_WorkerBase):
         lm = open_draft(cfg.draft, cfg.target, cfg.draft_backend, cfg.dtype, cfg.device, self._kv_budget,
                         cfg.worker_threads, show_progress=False, log=_log)
         self._runner = lm.runner
-        self.worker = DraftWorker(self._runner, lm.eos_ids)
+        self.worker = DraftWorker(self._runner, lm.eos_ids, max_forward_tokens=cfg.max_forward_tokens)
 
     async def draft(self, tasks: list, report: dict | None = None) -> list:
         return await self._call(self._draft_batch, tasks, report)

@@ -17,6 +17,7 @@ from calid.decoding.sampling import sample, warp
 from calid.decoding.tree import TokenTree
 from calid.runtime.runner import ModelRunner, SeqInput
 from calid.workers.messages import DraftResult, DraftTask, load_generator, save_generator
+from calid.workers.target import MIN_CHUNK
 
 BRANCH_POINTS = 1  # unsure positions a tree chain branches at before it stops growing
 
@@ -62,20 +63,52 @@ class DraftWorker:
     by common prefix, so one verification pass tries all of them.
     """
 
-    def __init__(self, runner: ModelRunner, eos_ids: frozenset[int], extra: list[ModelRunner] | tuple = ()):
+    def __init__(self, runner: ModelRunner, eos_ids: frozenset[int], extra: list[ModelRunner] | tuple = (),
+                 max_forward_tokens: int | None = None):
         self.runner = runner
+        self.max_forward_tokens = max_forward_tokens  # prompts longer than this are prefilled in chunks
         self.eos_ids = eos_ids
         self.extra = list(extra)
         self._lanes: dict[Hashable, int] = {}  # draft chains per tree request, to free their caches
 
     def draft(self, tasks: list[DraftTask]) -> list[DraftResult]:
+        order, prefilling = tasks, self._prefill_chunks(tasks)
+        tasks = [t for t in tasks if t.request_id not in prefilling]
         chains = [_Chain(t, self.eos_ids) for t in tasks if not t.decode.is_tree]
         self._draft_chains(chains)
         tree_tasks = [t for t in tasks if t.decode.mode == "tree"]
         stochastic = [t for t in tree_tasks if _stochastic(t)]
         trees = self._draft_trees([t for t in tree_tasks if not _stochastic(t)]) | self._draft_stochastic(stochastic)
-        by_id = {c.task.request_id: c.result() for c in chains} | trees
-        return [by_id[t.request_id] for t in tasks if t.request_id in by_id]
+        by_id = {c.task.request_id: c.result() for c in chains} | trees | prefilling
+        return [by_id[t.request_id] for t in order if t.request_id in by_id]
+
+    def _prefill_chunks(self, tasks: list[DraftTask]) -> dict[Hashable, DraftResult]:
+        """SARATHI on the draft, as on the target: short work (decode steps) always runs, then prompts that
+        fit the forward's token budget; a prompt that does not gets its next chunk fed here and drafts
+        nothing this step (the target then decodes that request alone). The forward stays within the
+        budget (given one of at least MIN_CHUNK tokens)."""
+        if self.max_forward_tokens is None:
+            return {}
+        pending = {t.request_id: len(self.runner.sync(t.request_id, t.token_ids)) for t in tasks}
+        left = self.max_forward_tokens - sum(n for n in pending.values() if n <= MIN_CHUNK)
+        out, inputs = {}, []
+        for t in tasks:
+            n = pending[t.request_id]
+            if n <= MIN_CHUNK:
+                continue
+            if n <= left:
+                left -= n
+                continue
+            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, 0, t.rng)
+            if left < MIN_CHUNK and inputs:  # the budget is spent: this prompt waits for the next step
+                continue
+            chunk = min(n - 1, max(left, MIN_CHUNK))
+            left = max(0, left - chunk)
+            inputs.append(SeqInput(t.request_id, self.runner.sync(t.request_id, t.token_ids)[:chunk]))
+            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, 1, t.rng)
+        if inputs:
+            self.runner.forward(inputs)
+        return out
 
     def release(self, request_ids: list[Hashable]) -> None:
         for rid in request_ids:

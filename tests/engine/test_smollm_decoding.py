@@ -119,7 +119,7 @@ def test_trees_merged_from_two_drafters_are_lossless_and_use_both(smol, prompts,
     assert first in [merged.tokens[i] for i in merged.children(-1)]  # ...the extra drafter's own first token
 
 
-@pytest.mark.parametrize("mode", ["ar", "speculative", "lookahead"])
+@pytest.mark.parametrize("mode", ["ar", "speculative", "lookahead", "tree"])
 def test_chunked_prefill_output_is_identical_to_unchunked(smol, prompts, mode):
     """SARATHI: a long prompt prefilled in 48-token chunks beside two running short requests."""
     long_prompt = " ".join(f"Item {i}: the value of item {i} is {i * i}." for i in range(40)) + " What is item 7?"
@@ -133,8 +133,13 @@ def test_chunked_prefill_output_is_identical_to_unchunked(smol, prompts, mode):
                                   decode=DecodeParams(mode=mode)) for t in texts]
         return engine.generate(reqs)
 
-    whole, chunked = generate(None), generate(48)
+    whole = generate(None)
+    sizes, forward = [], draft.forward
+    draft.forward = lambda inputs: sizes.append(sum(len(i.tokens) for i in inputs)) or forward(inputs)
+    chunked = generate(48)
     assert len(encode_prompt(smol.tokenizer, long_prompt)) > 400
+    if mode in ("speculative", "tree"):  # the draft prefills in chunks too, never one forward over the whole prompt
+        assert sizes and max(sizes) <= 48
     assert [r.output_ids for r in chunked] == [r.output_ids for r in whole]
     assert chunked[0].stats.prefill_chunks >= 8 and whole[0].stats.prefill_chunks == 0
     # the short requests decode while the long prompt is still being prefilled
