@@ -12,16 +12,18 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from serve_app.autoscaling import autoscaling_config
-from serve_app.config import AppConfig, check_models, check_resources, load_config
+from serve_app.config import AppConfig, check_auth, check_models, check_resources, load_config
 from serve_app.router import Router
 from serve_app.workers import DraftDeployment, TargetDeployment
 
 SERVICER = "calid.v1.calid_pb2_grpc.add_CalidServicer_to_server"
+HEALTH_CHECK_PERIOD_S = 5.0  # workers' check_health: a hung forward is noticed within this
 
 
 def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     cfg = load_config(args)
     check_models(cfg)
+    check_auth(cfg)
     if check_cluster:
         import ray
 
@@ -30,6 +32,7 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     config = cfg.model_dump()
     sharded = cfg.sharded  # the shards hold the model (and the GPUs); the replica only drives them
     target = TargetDeployment.options(
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         ray_actor_options={"num_cpus": cfg.target_num_cpus, "num_gpus": 0.0 if sharded else cfg.target_num_gpus,
                            "resources": cfg.target_resources},
         autoscaling_config=autoscaling_config(cfg.target_scaling),
@@ -37,6 +40,7 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     draft = None
     if cfg.draft is not None:
         draft = DraftDeployment.options(
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
             ray_actor_options={"num_cpus": cfg.draft_num_cpus, "resources": cfg.draft_resources},
             autoscaling_config=autoscaling_config(cfg.draft_scaling),
         ).bind(config)

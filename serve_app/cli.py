@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
+import threading
 import time
 
+from calid.errors import CalidError
 from serve_app.config import AppConfig, ConfigError
 
 
@@ -21,6 +24,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=["auto", "torch", "llamacpp"],
                    help="both models' backend (default auto: llama.cpp on CPU for GGUF models)")
     p.add_argument("--dtype", default=None, choices=["auto", "fp32", "bf16"], help="torch dtype (default auto)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="require API keys: a file with one accepted key per line (clients: --api-key)")
+    p.add_argument("--drain-grace-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, how long requests in flight may run before shutdown (default 30)")
 
 
 def config_from_args(args) -> AppConfig:
@@ -33,6 +40,8 @@ def config_from_args(args) -> AppConfig:
         overrides["target_backend"] = overrides["draft_backend"] = args.backend
     if args.dtype:
         overrides["dtype"] = args.dtype
+    if getattr(args, "api_keys_file", None):
+        overrides["api_keys_file"] = args.api_keys_file
     try:
         return AppConfig.small(**overrides) if args.small else AppConfig(**overrides)
     except ValueError as e:
@@ -40,24 +49,66 @@ def config_from_args(args) -> AppConfig:
 
 
 def cmd_serve(args) -> int:
+    """Serve until SIGTERM or SIGINT, then drain: admit nothing new, let the requests in flight finish
+    (at most --drain-grace-s), shut Ray down (no process left behind) and exit 0."""
     from serve_app.local import serve_app, shutdown
 
     cfg = config_from_args(args)
+    stop = threading.Event()
     print(f"[calid] starting Ray and the calid app (target {cfg.target}, draft {cfg.draft}) ...", file=sys.stderr)
+    _on_signals(stop)
     try:
-        url = serve_app(cfg, dashboard=not args.no_dashboard)
+        try:
+            url = serve_app(cfg, dashboard=not args.no_dashboard)
+        except CalidError:
+            raise
+        except Exception as e:  # Ray or Serve could not start (a busy port, a proxy that died, ...)
+            raise CalidError(f"could not start the calid app: {_one_line(e)}") from None
+        _on_signals(stop)  # ray.init installs its own SIGTERM handler (exit at once); ours drains
         print(f"[calid] serving gRPC on 127.0.0.1:{cfg.grpc_port} (app {cfg.app_name})", file=sys.stderr)
         if url:
             print(f"[calid] Ray dashboard: {url}  (Serve tab: replicas; Metrics tab: calid panels)", file=sys.stderr)
         print(f'[calid] try: calid client "Write a haiku about caches" --address 127.0.0.1:{cfg.grpc_port}; '
-              "Ctrl-C stops", file=sys.stderr)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("[calid] shutting down", file=sys.stderr)
+              "Ctrl-C or SIGTERM stops (after draining)", file=sys.stderr)
+        while not stop.wait(3600):
+            pass
+        drain(cfg.app_name, args.drain_grace_s)
     finally:
+        print("[calid] shutting down Ray", file=sys.stderr)
         shutdown()
     return 0
+
+
+def _on_signals(stop: threading.Event) -> None:
+    def handler(signum, frame):
+        if stop.is_set():  # a second signal: stop draining
+            raise KeyboardInterrupt
+        print(f"[calid] {signal.Signals(signum).name}: draining", file=sys.stderr)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def drain(app: str, grace_s: float) -> int:
+    """Stop the router admitting and wait for its requests in flight; returns how many were left."""
+    from ray import serve
+
+    router = serve.get_deployment_handle("router", app)
+    left = router.drain.remote().result(timeout_s=10)["requests"]
+    end = time.monotonic() + grace_s
+    print(f"[calid] admitting no new requests; {left} in flight, waiting up to {grace_s:g} s", file=sys.stderr)
+    while left and time.monotonic() < end:
+        time.sleep(0.5)
+        left = router.stats.remote().result(timeout_s=10)["requests"]
+    if left:
+        print(f"[calid] {left} requests still in flight after {grace_s:g} s; they end UNAVAILABLE", file=sys.stderr)
+    return left
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
 
 
 DEMO_REQUESTS = [

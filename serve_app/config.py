@@ -80,6 +80,16 @@ class AppConfig(BaseModel):
     max_stop_strings: int = Field(16, ge=0)
     max_stop_chars: int = Field(256, ge=1)
     max_messages: int = Field(64, ge=1)
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt in tokens (None: the target's "
+                                          "context less max_new_tokens)")
+    api_keys_file: str | None = Field(None, description="file of accepted API keys, one per line; clients send "
+                                      "'authorization: Bearer <key>' metadata, others get UNAUTHENTICATED")
+    api_keys_env: str | None = Field(None, description="environment variable holding accepted API keys "
+                                     "(comma-separated); with api_keys_file, both sources count")
+    worker_call_timeout_s: float = Field(120.0, gt=0, description="one draft/target call may take this long before "
+                                         "it counts as failed (a hung replica) and is retried")
+    cache_idle_s: float = Field(900.0, gt=0, description="a worker frees a request's KV cache that no call has "
+                                "touched for this long (a release that never arrived)")
     grpc_port: int = Field(50051, ge=1, le=65535)
     app_name: str = "calid"
 
@@ -113,7 +123,7 @@ class AppConfig(BaseModel):
         from serve_app.protocol import Limits
 
         return Limits(self.max_request_bytes, self.max_new_tokens_limit, self.max_stop_strings, self.max_stop_chars,
-                      self.max_messages)
+                      self.max_messages, self.max_prompt_tokens)
 
     @property
     def sharded(self) -> bool:
@@ -194,3 +204,13 @@ def check_resources(cfg: AppConfig, cluster: dict[str, float]) -> None:
                if v > cluster.get(k, 0.0) + 1e-9]
     if missing:
         raise ConfigError("the cluster cannot place the minimum replicas (" + "; ".join(missing) + ")")
+
+
+def check_auth(cfg: AppConfig) -> None:
+    """A configured key source must hold keys here too (the router reads it on its node)."""
+    from serve_app.auth import AuthConfigError, load_keys
+
+    try:
+        load_keys(cfg.api_keys_file, cfg.api_keys_env)
+    except AuthConfigError as e:
+        raise ConfigError(str(e)) from None

@@ -22,6 +22,7 @@ class Limits:
     max_stop: int = 16
     max_stop_chars: int = 256
     max_messages: int = 64
+    max_prompt_tokens: int | None = None
 
 
 def check_limits(msg: pb.GenerateRequest, limits: Limits) -> None:
@@ -74,7 +75,10 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         gamma=msg.gamma if msg.HasField("gamma") else default.gamma,
         threshold=msg.threshold if msg.HasField("threshold") else default.threshold,
     ).validate()
-    return GenerationRequest(prompt_ids(msg, tokenizer), params, None, decode)
+    ids = prompt_ids(msg, tokenizer)
+    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
+        raise InvalidRequestError(f"prompt is {len(ids)} tokens, over the server's limit of {limits.max_prompt_tokens}")
+    return GenerationRequest(ids, params, None, decode)
 
 
 def stats(result: GenerationResult, mode: str) -> pb.RequestStats:

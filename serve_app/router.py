@@ -20,6 +20,7 @@ import time
 import uuid
 import zlib
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -38,11 +39,14 @@ from calid.orchestrator import Orchestrator
 from calid.scaling import RateWindow
 from calid.v1 import calid_pb2 as pb
 from serve_app import protocol
-from serve_app.config import load_config
+from serve_app.auth import AuthConfigError, allowed, bearer, load_keys
+from serve_app.config import ConfigError, load_config
 from serve_app.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 RETRY_CAP_S = 2.0
+RELEASE_ECHO_S = 30.0  # released ids ride along on every worker call this long, to reach every replica
+RELEASE_ECHO_MAX = 256
 
 
 class WorkersUnavailable(Exception):
@@ -52,7 +56,8 @@ class WorkersUnavailable(Exception):
 
 
 def _is_system_error(e: BaseException) -> bool:
-    """A lost replica, actor or shard group (retrying elsewhere can help), not a bug in the worker's code."""
+    """A lost replica, actor or shard group, or a call that timed out (retrying elsewhere can help), not an
+    error raised by the worker's code for these tasks."""
     if isinstance(e, RayTaskError):
         return isinstance(getattr(e, "cause", None), (RayActorError, GroupFailed))
     return True
@@ -107,11 +112,18 @@ class Router:
         self._steps = 0
         self._max_escalation = 0
         self._calibrated = False
+        try:
+            self._keys = load_keys(self.cfg.api_keys_file, self.cfg.api_keys_env)
+        except AuthConfigError as e:
+            raise ConfigError(str(e)) from None
+        self._tokenizer_pool = ThreadPoolExecutor(2, thread_name_prefix="calid-tokenize")
+        self._draining = False
+        self._released: deque[tuple[float, str]] = deque()  # (when, request id), newest last
 
     # ---- gRPC methods -------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
-        r = self._open(request, grpc_context)
+        r = await self._open(request, grpc_context)
         if r is None:
             return pb.GenerateResponse()
         ids = []
@@ -128,7 +140,7 @@ class Router:
             self._close(r)
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
-        r = self._open(request, grpc_context)
+        r = await self._open(request, grpc_context)
         if r is None:  # Serve sends the status set on the context when a stream raises
             raise RequestRefused(grpc_context.details() if grpc_context is not None else "refused")
         try:
@@ -145,11 +157,14 @@ class Router:
             self._close(r)
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
-        alive = self._loop_task is None or not self._loop_task.done()
+        """Open to every caller (load balancers probe it); false while draining or with a dead step loop."""
+        alive = not self._draining and (self._loop_task is None or not self._loop_task.done())
         return pb.HealthResponse(serving=alive, active_requests=len(self.orch.active),
                                  queued_requests=len(self._waiting), queue_capacity=self.cfg.queue_capacity)
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
+        if not self._authorized(grpc_context, "models"):
+            return pb.ListModelsResponse()
         models = [pb.ModelInfo(role="target", name=self.cfg.target, vocab_size=self.vocab_size,
                                max_position=self.max_position)]
         if self.draft is not None:
@@ -161,7 +176,13 @@ class Router:
     async def stats(self) -> dict:
         """Router counters for tests and the demo (not part of the gRPC API)."""
         return {"active": len(self.orch.active), "waiting": len(self._waiting), "requests": len(self._requests),
-                "steps": self._steps, "max_escalation_batch": self._max_escalation}
+                "steps": self._steps, "max_escalation_batch": self._max_escalation, "draining": self._draining}
+
+    async def drain(self) -> dict:
+        """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not
+        serving, while the requests in flight run to the end. The caller polls stats() until none is left."""
+        self._draining = True
+        return await self.stats()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queue_depth": float(len(self._waiting)), "active": float(len(self.orch.active)),
@@ -169,28 +190,55 @@ class Router:
 
     # ---- admission and delivery ------------------------------------------------------
 
-    def _open(self, request: pb.GenerateRequest, grpc_context) -> _Request | None:
-        """Validate and admit; on refusal set the status code and return None."""
+    async def _open(self, request: pb.GenerateRequest, grpc_context) -> _Request | None:
+        """Authenticate, check, tokenize (off the event loop) and admit; on refusal set the status code and
+        return None. Everything that costs nothing runs before the tokenizer, so refusals take no time."""
+        mode = request.mode or "default"
+        if not self._authorized(grpc_context, mode):
+            return None
+        if self._draining:
+            return self._refuse(grpc_context, mode, grpc.StatusCode.UNAVAILABLE,
+                                "this server is shutting down and admits no new requests; retry")
+        if self._full():
+            return self._refuse_full(grpc_context, mode)
         try:
-            req = protocol.to_request(request, self.tokenizer, self.orch.default_decode, self.cfg.limits)
+            protocol.check_limits(request, self.cfg.limits)
+            req = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_pool, protocol.to_request, request, self.tokenizer, self.orch.default_decode,
+                self.cfg.limits)
             self._n += 1
             req.request_id = f"{self._id}-{self._n}"
             self.orch.validate(req)
         except CalidError as e:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            return self._refuse(grpc_context, request.mode or "default", code, str(e))
-        # the bound holds whatever the step loop is doing: slots fill only between steps, so a burst
-        # that arrives during a step must count against decoding slots and queue together
-        if len(self._waiting) + len(self.orch.active) >= self.cfg.max_active + self.cfg.queue_capacity:
-            return self._refuse(grpc_context, req.decode.mode, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"admission queue is full ({self.cfg.queue_capacity} waiting beside "
-                                f"{self.cfg.max_active} decoding); retry later")
+            return self._refuse(grpc_context, mode, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self._full():  # others were admitted while this one was tokenized
+            return self._refuse_full(grpc_context, req.decode.mode)
         r = _Request(request.request_id or req.request_id, req.decode.mode, req)
         self._requests[req.request_id] = r
         self._waiting.append(req.request_id)
         self._ensure_loop()
         self._wake.set()
         return r
+
+    def _full(self) -> bool:
+        # the bound holds whatever the step loop is doing: slots fill only between steps, so a burst
+        # that arrives during a step must count against decoding slots and queue together
+        return len(self._waiting) + len(self.orch.active) >= self.cfg.max_active + self.cfg.queue_capacity
+
+    def _refuse_full(self, grpc_context, mode: str) -> None:
+        return self._refuse(grpc_context, mode, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"admission queue is full ({self.cfg.queue_capacity} waiting beside "
+                            f"{self.cfg.max_active} decoding); retry later")
+
+    def _authorized(self, grpc_context, mode: str) -> bool:
+        if self._keys is None:
+            return True
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+        if allowed(self._keys, bearer(metadata)):
+            return True
+        self._refuse(grpc_context, mode, grpc.StatusCode.UNAUTHENTICATED,
+                     "missing or unknown API key: send metadata 'authorization: Bearer <key>'")
+        return False
 
     def _refuse(self, grpc_context, mode: str, code: grpc.StatusCode, message: str) -> None:
         self._metrics.failed(mode, code.name)
@@ -279,7 +327,8 @@ class Router:
             await self._calibrate()
         tasks = self.orch.draft_tasks(states)
         start = time.perf_counter()
-        drafts = await self._call("draft", tasks) if tasks else []
+        drafts, failed = await self._call("draft", tasks) if tasks else ([], {})
+        states = self._drop_failed(states, failed)
         if drafts:
             self.orch.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
         events, verify = self.orch.after_draft(states, drafts)
@@ -288,11 +337,18 @@ class Router:
             self._max_escalation = max(self._max_escalation, len(verify))
             self._metrics.escalation_batch.observe(len(verify))
             start = time.perf_counter()
-            results = await self._call("target", verify)
-            if all(s.stats.target_calls for s in states):  # decode steps only: a prefill's size is unknown here
+            results, failed = await self._call("target", verify)
+            states = self._drop_failed(states, failed)
+            if all(s.stats.target_calls for s in states) and not failed:  # decode steps only: a prefill's size is unknown here
                 self.orch.observe_verify(sum(1 + len(t.draft) for t in verify), time.perf_counter() - start)
             self._deliver(self.orch.after_verify(results))
         self._count_tokens(states)
+
+    def _drop_failed(self, states: list[RequestState], failed: dict[str, _Failure]) -> list[RequestState]:
+        """Fail the requests a worker could not serve; the others go on."""
+        for rid, failure in failed.items():
+            self._deliver_failure(rid, failure)
+        return [s for s in states if s.req.request_id not in failed] if failed else states
 
     async def _calibrate(self) -> None:
         """The workers' measured forward costs, the auto mode planner's starting point (refined live)."""
@@ -354,36 +410,93 @@ class Router:
         return f"g{zlib.crc32(request_id.encode()) % self.cfg.affinity_groups}"
 
     def _report(self) -> dict:
-        return {"router": self._id, "queued": float(len(self._waiting)), **self._rates.snapshot()}
+        horizon = time.monotonic() - RELEASE_ECHO_S
+        while self._released and (self._released[0][0] < horizon or len(self._released) > RELEASE_ECHO_MAX):
+            self._released.popleft()
+        return {"router": self._id, "queued": float(len(self._waiting)), **self._rates.snapshot(),
+                "released": [rid for _, rid in self._released]}
 
-    async def _call(self, role: str, tasks: list) -> list:
-        """One call per affinity group, concurrently; retried with backoff, then WorkersUnavailable."""
+    async def _call(self, role: str, tasks: list) -> tuple[list, dict[str, _Failure]]:
+        """One call per affinity group, concurrently, each bounded by worker_call_timeout_s; returns the
+        results and the requests that failed for good.
+
+        A lost replica or a timeout is retried with backoff (any replica recomputes from the token ids);
+        after ``worker_call_retries`` the whole step fails with WorkersUnavailable. Every retry first
+        cancels the calls still in flight, so an orphan never meets its retry in a worker's batch. An
+        error the worker's code raised for these tasks is not retried: ``_isolate`` finds the requests
+        it belongs to and fails only those.
+        """
         handle, method = (self.draft, "draft") if role == "draft" else (self.target, "verify")
         groups: dict[str, list] = {}
         for t in tasks:
             groups.setdefault(self._group(t.request_id), []).append(t)
         report = self._report()
         for attempt in range(self.cfg.worker_call_retries + 1):
+            calls = [getattr(handle.options(multiplexed_model_id=key), method).remote(group, report)
+                     for key, group in groups.items()]
             try:
-                calls = [getattr(handle.options(multiplexed_model_id=key), method).remote(group, report)
-                         for key, group in groups.items()]
-                return [r for out in await asyncio.gather(*calls) for r in out]
+                outs = await asyncio.wait_for(asyncio.gather(*calls), self.cfg.worker_call_timeout_s)
+                return [r for out in outs for r in out], {}
             except (Exception, asyncio.CancelledError) as e:
+                _cancel(calls)
                 if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                     raise  # the router itself is shutting down
+                if not _is_system_error(e) and len(tasks) == 1:
+                    return [], {tasks[0].request_id: _Failure(grpc.StatusCode.INTERNAL, f"the {role} deployment "
+                                                              f"failed on this request: {_first_line(e)}")}
+                if not _is_system_error(e):
+                    return await self._isolate(role, handle, method, groups, report, e)
                 if attempt == self.cfg.worker_call_retries:
                     raise WorkersUnavailable(role, e) from e
                 log.warning("calid router: %s call failed (attempt %d): %r; retrying", role, attempt + 1, e)
                 await asyncio.sleep(min(RETRY_CAP_S, 0.2 * 2**attempt))  # a restarting replica takes seconds
 
+    async def _isolate(self, role: str, handle, method: str, groups: dict[str, list], report: dict,
+                       error: BaseException) -> tuple[list, dict[str, _Failure]]:
+        """A deterministic error in a call of several requests: call each request alone, once, so that the
+        request that causes it fails (INTERNAL, with the worker's message) and the others go on."""
+        alone = [(t, getattr(handle.options(multiplexed_model_id=key), method).remote([t], report))
+                 for key, group in groups.items() for t in group]
+        log.warning("calid router: %s call raised %r; retrying its %d requests one by one", role, error, len(alone))
+        outs = await asyncio.gather(*(asyncio.wait_for(c, self.cfg.worker_call_timeout_s) for _, c in alone),
+                                    return_exceptions=True)
+        results, failed = [], {}
+        for (t, call), out in zip(alone, outs):
+            if isinstance(out, BaseException):
+                _cancel([call])
+                code = grpc.StatusCode.UNAVAILABLE if _is_system_error(out) else grpc.StatusCode.INTERNAL
+                failed[t.request_id] = _Failure(code, f"the {role} deployment failed on this request: "
+                                                      f"{_first_line(out)}")
+            else:
+                results += out
+        return results, failed
+
     def _release(self, done: list[RequestState]) -> None:
-        """Tell the workers to free the finished requests' caches (fire and forget)."""
+        """Tell the workers to free the finished requests' caches (fire and forget): the replica of each
+        request's group now, and every replica that serves a call in the next RELEASE_ECHO_S (the ids ride
+        along in the call's report), since a retry may have left a copy on another replica."""
         groups: dict[str, list[RequestState]] = {}
+        now = time.monotonic()
         for s in done:
             groups.setdefault(self._group(s.req.request_id), []).append(s)
+            self._released.append((now, s.req.request_id))
         for key, group in groups.items():
             ids = [s.req.request_id for s in group]
             self.target.options(multiplexed_model_id=key).release.remote(ids, {s.req.request_id: s.token_ids
                                                                                for s in group})
             if self.draft is not None:
                 self.draft.options(multiplexed_model_id=key).release.remote(ids)
+
+
+def _cancel(calls: list) -> None:
+    for c in calls:
+        try:
+            c.cancel()
+        except Exception:  # already finished, or not a Serve response (tests)
+            pass
+
+
+def _first_line(e: BaseException) -> str:
+    cause = getattr(e, "cause", None) or e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"

@@ -49,6 +49,8 @@ class _WorkerBase:
         self._batches = 0
         self._max_batch = 0
         self._metrics = WorkerMetrics(self.role)
+        self._touched: dict = {}  # request id -> when a call last carried it (what this replica may hold)
+        self._batch_started: float | None = None
 
     @property
     def _kv_budget(self) -> int | None:
@@ -64,12 +66,27 @@ class _WorkerBase:
             await self._affinity(key)
         if report:
             self._reports[report["router"]] = (time.monotonic(), report[f"{self.role}_demand"], report["queued"])
+            gone = [rid for rid in report.get("released", ()) if rid in self._touched]
+            if gone:  # released by its router while this replica was not the one told
+                await self.release(gone)
 
     async def _run_batch(self, fn, calls: list[list]) -> list[list]:
-        """Run ``fn`` once over the tasks of several calls; split its results back per call."""
-        flat = [t for call in calls for t in call]
+        """Run ``fn`` once over the tasks of several calls; split its results back per call.
+
+        A request in several calls (a retry meeting the orphan it replaced) runs once, as its newest call
+        says; the other call gets the same result, which nobody reads.
+        """
+        newest = {t.request_id: t for call in calls for t in call}
+        flat = list(newest.values())
         start = time.perf_counter()
-        results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, flat)
+        now = time.monotonic()
+        self._touched.update((t.request_id, now) for t in flat)
+        await self._forget_idle(now)
+        self._batch_started = now
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, flat)
+        finally:
+            self._batch_started = None
         self._batches += 1
         self._max_batch = max(self._max_batch, len(flat))
         self._metrics.batch.observe(len(flat))
@@ -78,7 +95,24 @@ class _WorkerBase:
         return [[by_id[t.request_id] for t in call if t.request_id in by_id] for call in calls]
 
     async def release(self, request_ids: list, final_ids: dict | None = None) -> None:
+        for rid in request_ids:
+            self._touched.pop(rid, None)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._release, request_ids, final_ids)
+
+    async def _forget_idle(self, now: float) -> None:
+        """Free caches no call has touched for cache_idle_s: their release never reached this replica."""
+        idle = [rid for rid, at in self._touched.items() if now - at > self.cfg.cache_idle_s]
+        if idle:
+            logger.info("calid %s: freeing %d idle caches", self.role, len(idle))
+            await self.release(idle)
+
+    async def check_health(self) -> None:
+        """Serve's health check: a forward running longer than worker_call_timeout_s means a hung replica,
+        which Serve then replaces (the router has already retried its calls elsewhere)."""
+        started = self._batch_started
+        if started is not None and time.monotonic() - started > self.cfg.worker_call_timeout_s:
+            raise RuntimeError(f"calid {self.role}: a forward has run for {time.monotonic() - started:.0f} s "
+                               f"(worker_call_timeout_s={self.cfg.worker_call_timeout_s:g}); replica is hung")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         now = time.monotonic()

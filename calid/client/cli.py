@@ -20,26 +20,34 @@ def add_parser(sub) -> None:
     p.add_argument("--gamma", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds (default 600)")
+    p.add_argument("--api-key", default=None, help="API key for a server that requires one (default: $CALID_API_KEY)")
+    p.add_argument("--tls", nargs="?", const=True, default=False, metavar="CA_PEM",
+                   help="connect over TLS (system roots, or the CA certificate file given)")
     p.add_argument("--models", action="store_true", help="list the server's models and modes")
     p.add_argument("--health", action="store_true", help="print the server's health")
     p.set_defaults(func=cmd_client)
 
 
 def cmd_client(args) -> int:
-    from calid.client import Unavailable
+    from calid.client import Unauthenticated, Unavailable
     from calid.errors import CalidError
 
     try:
         return _run(args)
     except Unavailable as e:
         raise CalidError(f"no calid server answers at {args.address} (start one with: calid serve): {e.details}") from None
+    except Unauthenticated as e:
+        raise CalidError(f"the server at {args.address} refused the API key (--api-key or $CALID_API_KEY): "
+                         f"{e.details}") from None
+    except ValueError as e:  # an unreadable --tls certificate
+        raise CalidError(str(e)) from None
 
 
 def _run(args) -> int:
     from calid.client import Client
     from calid.errors import CalidError
 
-    with Client(args.address, app=args.app, timeout=args.timeout) as c:
+    with Client(args.address, app=args.app, timeout=args.timeout, api_key=args.api_key, tls=args.tls) as c:
         if args.health:
             h = c.health()
             print(f"serving={h.serving} active={h.active_requests} queued={h.queued_requests}/{h.queue_capacity}")

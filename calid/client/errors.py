@@ -42,7 +42,12 @@ class NotFound(CalidAPIError):
     code = grpc.StatusCode.NOT_FOUND
 
 
-_BY_CODE = {c.code: c for c in (InvalidArgument, ResourceExhausted, DeadlineExceeded, Cancelled, Unavailable, NotFound)}
+class Unauthenticated(CalidAPIError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_BY_CODE = {c.code: c for c in (InvalidArgument, ResourceExhausted, DeadlineExceeded, Cancelled, Unavailable, NotFound,
+                                Unauthenticated)}
 
 
 def from_rpc_error(e: grpc.RpcError, request_id: str | None = None) -> CalidAPIError:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,14 +65,34 @@ def _chunk(c: pb.GenerateChunk) -> Chunk:
                  _stats(c.stats) if c.finish_reason else {})
 
 
+def _credentials(tls: bool | str) -> grpc.ChannelCredentials | None:
+    """None for a plaintext channel; ``tls=True`` trusts the system roots, a path trusts that PEM file."""
+    if not tls:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    try:
+        with open(os.path.expanduser(tls), "rb") as f:
+            return grpc.ssl_channel_credentials(root_certificates=f.read())
+    except OSError as e:
+        raise ValueError(f"tls: cannot read the CA certificate {tls}: {e.strerror}") from None
+
+
 class _Base:
+    """``api_key`` (default: $CALID_API_KEY) goes out as ``authorization: Bearer <key>``; ``tls`` is False
+    (plaintext), True (TLS, system roots) or the path of a PEM CA certificate to trust."""
+
     def __init__(self, address: str = "127.0.0.1:50051", app: str = "calid", timeout: float | None = 600.0,
-                 retries: int = 3, backoff_s: float = 0.2):
+                 retries: int = 3, backoff_s: float = 0.2, api_key: str | None = None, tls: bool | str = False):
         self.address, self.app = address, app
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
+        self.api_key = api_key if api_key is not None else os.environ.get("CALID_API_KEY") or None
+        self._creds = _credentials(tls)
 
     def _metadata(self, request_id: str | None = None) -> tuple:
         md = (("application", self.app),)
+        if self.api_key:
+            md += (("authorization", f"Bearer {self.api_key}"),)
         return md + ((("request_id", request_id),) if request_id else ())
 
     def _deadline(self, timeout: float | None) -> float | None:
@@ -92,7 +113,7 @@ class Client(_Base):
 
     def __init__(self, address: str = "127.0.0.1:50051", **kw):
         super().__init__(address, **kw)
-        self._channel = grpc.insecure_channel(address)
+        self._channel = (grpc.secure_channel(address, self._creds) if self._creds else grpc.insecure_channel(address))
         self._stub = pb_grpc.CalidStub(self._channel)
 
     def __enter__(self):
@@ -142,7 +163,8 @@ class AsyncClient(_Base):
 
     def __init__(self, address: str = "127.0.0.1:50051", **kw):
         super().__init__(address, **kw)
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = (grpc.aio.secure_channel(address, self._creds) if self._creds
+                         else grpc.aio.insecure_channel(address))
         self._stub = pb_grpc.CalidStub(self._channel)
 
     async def __aenter__(self):

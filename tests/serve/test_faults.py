@@ -99,7 +99,8 @@ def test_admission_holds_for_a_burst_that_arrives_between_steps(serve_port):
         router = Router.func_or_class(AppConfig.small(draft=None, max_active=4, queue_capacity=6).model_dump(),
                                       None, _DeadHandle())
         contexts = [_Context() for _ in range(150)]
-        opened = [router._open(pb.GenerateRequest(prompt="hi", max_new_tokens=4), c) for c in contexts]
+        opened = await asyncio.gather(*(router._open(pb.GenerateRequest(prompt="hi", max_new_tokens=4), c)
+                                        for c in contexts))
         admitted = [r for r in opened if r is not None]
         refused = [c for c in contexts if c.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         for r in admitted:

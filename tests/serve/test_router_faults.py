@@ -1,0 +1,245 @@
+"""The router against worker faults it must contain, in process: a real SmolLM2 target worker behind a
+stand-in for Serve's handle that can raise for one request, hang a call, or count what it was sent.
+
+What is real: the router, its step loop, the orchestrator, the target model and its verification.
+What is stood in for: Serve's transport (the handle), so that a fault lands exactly where the test says.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from calid.text import encode_prompt
+from calid.v1 import calid_pb2 as pb
+from serve_app.config import AppConfig
+
+pytestmark = [pytest.mark.model]
+
+PROMPTS = ["What is the capital of France?", "List three colors of the rainbow.", "Name a prime number."]
+POISON = "Write the word poison."
+
+
+class _Context:
+    def __init__(self, metadata=()):
+        self.code, self.message, self.metadata = None, None, tuple(metadata)
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, message):
+        self.message = message
+
+    def details(self):
+        return self.message
+
+    def invocation_metadata(self):
+        return self.metadata
+
+
+class _Call:
+    """An awaitable worker call with cancel(), as Serve's DeploymentResponse."""
+
+    def __init__(self, coro):
+        self._task = asyncio.ensure_future(coro)
+        self.cancelled = False
+
+    def __await__(self):
+        return self._task.__await__()
+
+    def cancel(self):
+        self.cancelled = True
+        self._task.cancel()
+
+
+class _Target:
+    """Serve's target handle, in process, around a real TargetWorker."""
+
+    def __init__(self, worker, poison_ids=None, hang_first=False):
+        self.worker, self.poison_ids, self.hang_first = worker, poison_ids, hang_first
+        self.calls: list[tuple[list, None]] = []  # verify calls' tasks, as the worker saw them
+        self.sent: list[_Call] = []  # every verify call, as the router holds it
+
+    def options(self, **kw):
+        return self
+
+    def __getattr__(self, method):
+        outer = self
+
+        class _Method:
+            def remote(self, *args):
+                call = _Call(getattr(outer, f"_{method}")(*args))
+                if method == "verify":
+                    outer.sent.append(call)
+                return call
+
+        return _Method()
+
+    async def _verify(self, tasks, report=None):
+        call_no = len(self.calls)
+        self.calls.append((tasks, None))
+        if self.hang_first and call_no == 0:
+            await asyncio.Event().wait()  # a hung replica: never answers
+        if self.poison_ids and any(t.token_ids[: len(self.poison_ids)] == self.poison_ids for t in tasks):
+            from ray.exceptions import RayTaskError
+
+            raise RayTaskError("verify", "Traceback: ...", ValueError("token 7 broke the kernel"))
+        return self.worker.verify(tasks)
+
+    async def _release(self, ids, final=None):
+        self.worker.release(ids, final)
+
+    async def _costs(self):
+        return {}
+
+
+@pytest.fixture(scope="module")
+def target():
+    from calid.backends import open_model
+
+    cfg = AppConfig.small(draft=None)
+    return open_model(cfg.target, cfg.target_backend, cfg.dtype, log=lambda line: None)
+
+
+def _router(handle, **overrides):
+    from serve_app.router import Router
+
+    cfg = AppConfig.small(draft=None, **overrides).model_dump()
+    return Router.func_or_class(cfg, None, handle)
+
+
+def _worker(target):
+    from calid.workers import TargetWorker
+
+    return TargetWorker(target.runner)
+
+
+async def _generate(router, prompt, ctx=None):
+    ctx = ctx or _Context()
+    resp = await router.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=12, ignore_eos=True), ctx)
+    return ctx, resp
+
+
+def test_a_deterministic_worker_error_fails_only_its_request(target):
+    """The poisoned request ends INTERNAL with the worker's message at once (no retries with backoff); the
+    requests batched with it finish with exactly the tokens of a run without it."""
+    async def run(poison):
+        handle = _Target(_worker(target), encode_prompt(target.tokenizer, POISON) if poison else None)
+        router = _router(handle, affinity_groups=1)
+        normal = [asyncio.ensure_future(_generate(router, p)) for p in PROMPTS]
+        while len(router.orch.active) < len(PROMPTS):  # the poisoned request joins their running batch
+            await asyncio.sleep(0.005)
+        out = await asyncio.gather(*normal, *([_generate(router, POISON)] if poison else []))
+        return out, handle, router
+
+    clean, _, _ = asyncio.run(run(False))
+    out, handle, router = asyncio.run(run(True))
+    for (ctx, resp), (_, want) in zip(out, clean):
+        assert ctx.code is None and list(resp.token_ids) == list(want.token_ids) and len(resp.token_ids) == 12
+    ctx, resp = out[-1]
+    assert ctx.code == grpc.StatusCode.INTERNAL and "token 7 broke the kernel" in ctx.message
+    poison_ids = encode_prompt(target.tokenizer, POISON)
+    tried = [ts for ts, _ in handle.calls if any(t.token_ids[: len(poison_ids)] == poison_ids for t in ts)]
+    assert [len(ts) for ts in tried] == [4, 1]  # the batch once, then alone once: not retried
+    assert not router.orch.active and not router._requests
+
+
+def test_a_hung_worker_call_times_out_is_cancelled_and_retried(target):
+    async def run():
+        handle = _Target(_worker(target), hang_first=True)
+        router = _router(handle, worker_call_timeout_s=1.0)
+        ctx, resp = await _generate(router, PROMPTS[0])
+        return ctx, resp, handle
+
+    ctx, resp, handle = asyncio.run(run())
+    want = asyncio.run(_generate(_router(_Target(_worker(target))), PROMPTS[0]))[1]
+    assert ctx.code is None and list(resp.token_ids) == list(want.token_ids)
+    assert len(handle.sent) > 1  # retried after the timeout...
+    assert handle.sent[0].cancelled and not any(c.cancelled for c in handle.sent[1:])  # ...which cancelled it
+
+
+def test_tokenization_runs_off_the_event_loop(target):
+    """A prompt stuck in the tokenizer does not stall the router: Health and a refusal answer meanwhile."""
+    router = _router(_Target(_worker(target)), max_active=1, queue_capacity=0)
+    entered, release = threading.Event(), threading.Event()
+    tokenizer = router.tokenizer
+    real_call = type(tokenizer).__call__
+
+    class _Slow(type(tokenizer)):
+        def __call__(self, *a, **kw):
+            entered.set()
+            if not release.wait(10):  # only the event loop can release it: on the loop, this deadlocks
+                raise RuntimeError("the tokenizer ran on the event loop")
+            return real_call(self, *a, **kw)
+
+    tokenizer.__class__ = _Slow
+
+    async def run():
+        slow = asyncio.ensure_future(_generate(router, PROMPTS[0]))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        health = await asyncio.wait_for(router.Health(pb.HealthRequest()), timeout=5)
+        release.set()
+        ctx, resp = await slow
+        return health, ctx, resp
+
+    try:
+        health, ctx, resp = asyncio.run(run())
+    finally:
+        release.set()
+        tokenizer.__class__ = _Slow.__mro__[1]
+    assert health.serving and ctx.code is None and len(resp.token_ids) == 12
+
+
+def test_api_keys(target, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nk-alpha\n\nk-beta\n")
+    router = _router(_Target(_worker(target)), api_keys_file=str(keys))
+
+    async def run():
+        calls = {}
+        for name, metadata in (("none", []), ("unknown", [("authorization", "Bearer k-gamma")]),
+                               ("no scheme", [("authorization", "k-alpha")]),
+                               ("good", [("authorization", "Bearer k-beta")])):
+            calls[name] = (await _generate(router, PROMPTS[1], _Context(metadata)))[0]
+        models = _Context()
+        await router.ListModels(pb.ListModelsRequest(), models)
+        health = await router.Health(pb.HealthRequest(), _Context())
+        return calls, models, health
+
+    calls, models, health = asyncio.run(run())
+    for name in ("none", "unknown", "no scheme"):
+        assert calls[name].code == grpc.StatusCode.UNAUTHENTICATED, name
+    assert "Bearer <key>" in calls["none"].message
+    assert calls["good"].code is None
+    assert models.code == grpc.StatusCode.UNAUTHENTICATED
+    assert health.serving  # probes need no key
+
+
+def test_a_key_source_without_keys_refuses_to_start(tmp_path):
+    from serve_app.config import ConfigError, check_auth
+
+    empty = tmp_path / "keys"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="no API key found"):
+        check_auth(AppConfig.small(api_keys_file=str(empty)))
+    with pytest.raises(ConfigError, match="No such file"):
+        check_auth(AppConfig.small(api_keys_file=str(tmp_path / "missing")))
+
+
+def test_drain_finishes_what_is_in_flight_and_admits_nothing(target):
+    async def run():
+        router = _router(_Target(_worker(target)))
+        inflight = asyncio.ensure_future(_generate(router, PROMPTS[2]))
+        while not router.orch.active:
+            await asyncio.sleep(0.01)
+        await router.drain()
+        refused = await _generate(router, PROMPTS[0])
+        health = await router.Health(pb.HealthRequest())
+        return await inflight, refused, health, router
+
+    (ctx, resp), (refused, _), health, router = asyncio.run(run())
+    assert ctx.code is None and len(resp.token_ids) == 12
+    assert refused.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.message
+    assert not health.serving and not router._requests
