@@ -1,0 +1,108 @@
+"""``calid serve`` as an operator runs it: SIGTERM drains (requests in flight finish, new ones are turned
+away), Ray shuts down with no process left behind, exit 0; a start-up failure is one line."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from calid.client import Client, Unavailable
+
+pytestmark = [pytest.mark.ray, pytest.mark.model]
+
+CALID = str(Path(sys.executable).with_name("calid"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            with Client(f"127.0.0.1:{port}", timeout=5, retries=0) as c:
+                if c.health().serving:
+                    return
+        except Exception:
+            time.sleep(1)
+    raise AssertionError("calid serve did not come up")
+
+
+def _alive(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([CALID, "serve", "--small", "--draft", "none", "--port", str(port), "--no-dashboard",
+                             "--drain-grace-s", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ""}, start_new_session=True)
+    try:
+        _wait_ready(port, proc)
+        family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert family, "Ray's processes should be the server's children"
+        results, first_chunk = {}, threading.Barrier(4)
+
+        def stream(i):
+            with Client(f"127.0.0.1:{port}", timeout=300) as c:
+                ids, started = [], False
+                for chunk in c.stream(f"Count from {i} to {i + 40}.", max_new_tokens=40, ignore_eos=True):
+                    ids += chunk.token_ids
+                    if not started:
+                        started = True
+                        first_chunk.wait(60)
+                results[i] = ids
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        first_chunk.wait(120)  # all three are decoding
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        with Client(f"127.0.0.1:{port}", timeout=30, retries=0) as c:
+            with pytest.raises(Unavailable, match="shutting down"):
+                c.generate("Are you there?", max_new_tokens=4)
+        for t in threads:
+            t.join(240)
+        rc = proc.wait(240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert rc == 0, err[-3000:]
+    assert sorted(results) == [0, 1, 2] and all(len(ids) == 40 for ids in results.values())
+    assert "SIGTERM: draining" in err and "3 in flight" in err
+    assert "Traceback" not in err and "Fatal Python error" not in err
+    time.sleep(2)
+    assert _alive(family) == []
+
+
+def test_a_start_up_failure_is_one_line(tmp_path):
+    empty = tmp_path / "keys"
+    empty.write_text("")
+    out = subprocess.run([CALID, "serve", "--small", "--no-dashboard", "--port", str(_free_port()),
+                          "--api-keys-file", str(empty)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("calid: error:")]
+    assert lines == [f"calid: error: no API key found in file {empty}; add one or remove api_keys_file/api_keys_env"]
+    assert "Traceback" not in out.stderr
