@@ -26,6 +26,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["auto", "fp32", "bf16"], help="torch dtype (default auto)")
     p.add_argument("--api-keys-file", default=None,
                    help="require API keys: a file with one accepted key per line (clients: --api-key)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--drain-grace-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long requests in flight may run before shutdown (default 30)")
 
@@ -42,6 +44,8 @@ def config_from_args(args) -> AppConfig:
         overrides["dtype"] = args.dtype
     if getattr(args, "api_keys_file", None):
         overrides["api_keys_file"] = args.api_keys_file
+    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+        overrides["tls_cert_file"], overrides["tls_key_file"] = args.tls_cert, args.tls_key
     try:
         return AppConfig.small(**overrides) if args.small else AppConfig(**overrides)
     except ValueError as e:
@@ -65,7 +69,8 @@ def cmd_serve(args) -> int:
         except Exception as e:  # Ray or Serve could not start (a busy port, a proxy that died, ...)
             raise CalidError(f"could not start the calid app: {_one_line(e)}") from None
         _on_signals(stop)  # ray.init installs its own SIGTERM handler (exit at once); ours drains
-        print(f"[calid] serving gRPC on 127.0.0.1:{cfg.grpc_port} (app {cfg.app_name})", file=sys.stderr)
+        tls = " over TLS" if cfg.tls_cert_file else ""
+        print(f"[calid] serving gRPC{tls} on 127.0.0.1:{cfg.grpc_port} (app {cfg.app_name})", file=sys.stderr)
         if url:
             print(f"[calid] Ray dashboard: {url}  (Serve tab: replicas; Metrics tab: calid panels)", file=sys.stderr)
         print(f'[calid] try: calid client "Write a haiku about caches" --address 127.0.0.1:{cfg.grpc_port}; '

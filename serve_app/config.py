@@ -86,6 +86,9 @@ class AppConfig(BaseModel):
                                       "'authorization: Bearer <key>' metadata, others get UNAUTHENTICATED")
     api_keys_env: str | None = Field(None, description="environment variable holding accepted API keys "
                                      "(comma-separated); with api_keys_file, both sources count")
+    tls_cert_file: str | None = Field(None, description="calid serve: PEM certificate for TLS on grpc_port (with "
+                                      "tls_key_file); Serve's own proxy then listens on a loopback port behind it")
+    tls_key_file: str | None = None
     worker_call_timeout_s: float = Field(120.0, gt=0, description="one draft/target call may take this long before "
                                          "it counts as failed (a hung replica) and is retried")
     cache_idle_s: float = Field(900.0, gt=0, description="a worker frees a request's KV cache that no call has "
@@ -102,6 +105,8 @@ class AppConfig(BaseModel):
                 raise ValueError(f"{role} must be auto, torch or llamacpp, got {getattr(self, role)!r}")
         if self.target_backend == "llamacpp" and self.target_tp * self.target_pp > 1:
             raise ValueError("tensor/pipeline-parallel target groups run on torch: set target_backend to auto or torch")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and self.target_num_gpus <= 0:

@@ -29,18 +29,49 @@ def start_ray(num_cpus: int | None = None, dashboard: bool = True) -> str | None
     return None
 
 
+_fronts: list = []  # TLS fronts started by serve_app, stopped by shutdown
+
+
 def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True) -> str | None:
-    """Start Ray (if needed), Serve's gRPC proxy on cfg.grpc_port, and the calid app; returns the dashboard URL."""
+    """Start Ray (if needed), Serve's gRPC proxy on cfg.grpc_port, and the calid app; returns the dashboard URL.
+
+    With TLS configured, a TLS front (serve_app.tls_front) takes cfg.grpc_port and Serve's proxy a free
+    loopback port behind it.
+    """
     from serve_app.app import start
 
+    if cfg.tls_cert_file is not None:
+        from serve_app.config import ConfigError
+        from serve_app.tls_front import TlsFront
+
+        internal = free_port()
+        try:
+            front = TlsFront(f"127.0.0.1:{cfg.grpc_port}", f"127.0.0.1:{internal}", cfg.tls_cert_file, cfg.tls_key_file)
+        except OSError as e:
+            raise ConfigError(f"TLS: cannot read {e.filename}: {e.strerror}") from None
+        url = start_ray(num_cpus, dashboard)
+        start(cfg.model_copy(update={"grpc_port": internal}))
+        front.start()
+        _fronts.append(front)
+        return url
     url = start_ray(num_cpus, dashboard)
     start(cfg)
     return url
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def shutdown() -> None:
     import ray
     from ray import serve
 
+    while _fronts:
+        _fronts.pop().stop()
     serve.shutdown()
     ray.shutdown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import time
 import uuid
 import zlib
@@ -176,7 +177,8 @@ class Router:
     async def stats(self) -> dict:
         """Router counters for tests and the demo (not part of the gRPC API)."""
         return {"active": len(self.orch.active), "waiting": len(self._waiting), "requests": len(self._requests),
-                "steps": self._steps, "max_escalation_batch": self._max_escalation, "draining": self._draining}
+                "steps": self._steps, "max_escalation_batch": self._max_escalation, "draining": self._draining,
+                "pid": os.getpid()}
 
     async def drain(self) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not

@@ -50,8 +50,22 @@ _BY_CODE = {c.code: c for c in (InvalidArgument, ResourceExhausted, DeadlineExce
                                 Unauthenticated)}
 
 
-def from_rpc_error(e: grpc.RpcError, request_id: str | None = None) -> CalidAPIError:
+# Ray Serve's proxy answers INTERNAL when the replica handling a call dies (it maps every Ray actor error
+# to INTERNAL); for a client that is the server going away, as UNAVAILABLE says.
+_REPLICA_DIED = ("The actor died unexpectedly", "actor is dead", "ActorDiedError", "ActorUnavailableError")
+
+
+def status_of(e: grpc.RpcError) -> grpc.StatusCode:
+    """The call's status, with a replica that died mid-call counted as UNAVAILABLE."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else None) or ""
+    if code == grpc.StatusCode.INTERNAL and any(s in details for s in _REPLICA_DIED):
+        return grpc.StatusCode.UNAVAILABLE
+    return code
+
+
+def from_rpc_error(e: grpc.RpcError, request_id: str | None = None) -> CalidAPIError:
+    code = status_of(e)
     details = (e.details() if hasattr(e, "details") else None) or str(e)
     cls = _BY_CODE.get(code, CalidAPIError)
     return cls(details, request_id) if cls is not CalidAPIError else CalidAPIError(details, request_id, code)

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from calid.client.errors import from_rpc_error
+from calid.client.errors import from_rpc_error, status_of
 from calid.v1 import calid_pb2 as pb
 from calid.v1 import calid_pb2_grpc as pb_grpc
 
@@ -103,7 +103,7 @@ class _Base:
 
     def _backoff(self, e: grpc.RpcError, attempt: int, request_id: str | None, started: bool = False) -> float:
         """Seconds to wait before retrying ``e``; raises the typed error when it must not be retried."""
-        if started or e.code() not in RETRY_CODES or attempt == self.retries:
+        if started or status_of(e) not in RETRY_CODES or attempt == self.retries:
             raise from_rpc_error(e, request_id) from None
         return self.backoff_s * 2**attempt
 

@@ -27,12 +27,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+def _wait_ready(port: int, proc: subprocess.Popen, tls: str, timeout_s: float = 300) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         assert proc.poll() is None, proc.stderr.read()
         try:
-            with Client(f"127.0.0.1:{port}", timeout=5, retries=0) as c:
+            with Client(f"localhost:{port}", timeout=5, retries=0, tls=tls) as c:
                 if c.health().serving:
                     return
         except Exception:
@@ -52,19 +52,23 @@ def _alive(pids: list[int]) -> list[str]:
     return out
 
 
-def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tmp_path):
+def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
+    """Served over TLS (the front of serve_app.tls_front), so the whole path is the one an operator runs."""
+    cert, key = self_signed
+    tls = str(cert)
     port = _free_port()
     proc = subprocess.Popen([CALID, "serve", "--small", "--draft", "none", "--port", str(port), "--no-dashboard",
-                             "--drain-grace-s", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--drain-grace-s", "120", "--tls-cert", str(cert), "--tls-key", str(key)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "RAY_ADDRESS": ""}, start_new_session=True)
     try:
-        _wait_ready(port, proc)
+        _wait_ready(port, proc, tls)
         family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert family, "Ray's processes should be the server's children"
         results, first_chunk = {}, threading.Barrier(4)
 
         def stream(i):
-            with Client(f"127.0.0.1:{port}", timeout=300) as c:
+            with Client(f"localhost:{port}", timeout=300, tls=tls) as c:
                 ids, started = [], False
                 for chunk in c.stream(f"Count from {i} to {i + 40}.", max_new_tokens=40, ignore_eos=True):
                     ids += chunk.token_ids
@@ -79,7 +83,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tmp_path):
         first_chunk.wait(120)  # all three are decoding
         proc.send_signal(signal.SIGTERM)
         time.sleep(1.0)
-        with Client(f"127.0.0.1:{port}", timeout=30, retries=0) as c:
+        with Client(f"localhost:{port}", timeout=30, retries=0, tls=tls) as c:
             with pytest.raises(Unavailable, match="shutting down"):
                 c.generate("Are you there?", max_new_tokens=4)
         for t in threads:
@@ -91,7 +95,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(tmp_path):
     err = proc.stderr.read()
     assert rc == 0, err[-3000:]
     assert sorted(results) == [0, 1, 2] and all(len(ids) == 40 for ids in results.values())
-    assert "SIGTERM: draining" in err and "3 in flight" in err
+    assert "SIGTERM: draining" in err and "3 in flight" in err and "serving gRPC over TLS" in err
     assert "Traceback" not in err and "Fatal Python error" not in err
     time.sleep(2)
     assert _alive(family) == []

@@ -8,7 +8,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from calid.client import AsyncClient, Client, DeadlineExceeded, InvalidArgument, Unavailable
+from calid.client import AsyncClient, CalidAPIError, Client, DeadlineExceeded, InvalidArgument, Unavailable
 from calid.v1 import calid_pb2 as pb
 from calid.v1 import calid_pb2_grpc as pb_grpc
 
@@ -16,6 +16,7 @@ from calid.v1 import calid_pb2_grpc as pb_grpc
 class _Servicer(pb_grpc.CalidServicer):
     def __init__(self):
         self.failures_left = 0
+        self.failure = (grpc.StatusCode.UNAVAILABLE, "no replica")
         self.calls = 0
         self.metadata = []
 
@@ -24,7 +25,7 @@ class _Servicer(pb_grpc.CalidServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         if self.failures_left:
             self.failures_left -= 1
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no replica")
+            context.abort(*self.failure)
         if request.temperature < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0")
         if request.prompt == "slow":
@@ -105,3 +106,71 @@ def test_async_client(server):
 
     whole, chunks = asyncio.run(main())
     assert whole.text == "ABC" and [ch.text for ch in chunks] == ["x", "y", ""]
+
+
+def test_a_replica_that_died_mid_call_counts_as_unavailable_and_is_retried(server):
+    """Ray Serve's proxy answers INTERNAL when the replica serving a call dies; the SDK retries it."""
+    servicer, address = server
+    servicer.failures_left = 1
+    servicer.failure = (grpc.StatusCode.INTERNAL, "The actor died unexpectedly before finishing this task.")
+    with Client(address, backoff_s=0.01) as c:
+        assert c.generate("hi").text == "HI"
+    assert servicer.calls == 2
+    servicer.failures_left, servicer.failure = 1, (grpc.StatusCode.INTERNAL, "division by zero")
+    with Client(address, backoff_s=0.01) as c, pytest.raises(CalidAPIError, match="INTERNAL: division by zero"):
+        c.generate("hi")  # any other INTERNAL is not retried
+    assert servicer.calls == 3
+
+
+def test_api_key_goes_out_as_bearer_metadata(server, monkeypatch):
+    servicer, address = server
+    with Client(address, api_key="k-1") as c:
+        c.generate("hi")
+    monkeypatch.setenv("CALID_API_KEY", "k-env")
+    with Client(address) as c:
+        c.generate("hi")
+    monkeypatch.delenv("CALID_API_KEY")
+    with Client(address) as c:
+        c.generate("hi")
+    assert [m.get("authorization") for m in servicer.metadata] == ["Bearer k-1", "Bearer k-env", None]
+
+
+def test_tls_channel_with_a_ca_file(tmp_path, self_signed):
+    """A TLS server with a self-signed certificate: the client trusts it through tls=<CA file>."""
+    cert, key = self_signed
+    servicer = _Servicer()
+    srv = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_CalidServicer_to_server(servicer, srv)
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    port = srv.add_secure_port("127.0.0.1:0", creds)
+    srv.start()
+    try:
+        with Client(f"localhost:{port}", tls=str(cert), retries=0) as c:
+            assert c.generate("hi").text == "HI"
+        with Client(f"localhost:{port}", retries=0, timeout=5) as c, pytest.raises(CalidAPIError):
+            c.generate("hi")  # plaintext against a TLS port fails
+    finally:
+        srv.stop(0)
+    with pytest.raises(ValueError, match="cannot read the CA certificate"):
+        Client("localhost:1", tls=str(tmp_path / "missing.pem"))
+
+
+def test_tls_front_forwards_calls_metadata_and_status(server, self_signed):
+    """serve_app.tls_front before a plaintext server: unary and streaming calls, the caller's metadata,
+    and the upstream's status codes all pass through."""
+    from serve_app.tls_front import TlsFront
+
+    servicer, upstream = server
+    cert, key = self_signed
+    front = TlsFront("localhost:0", upstream, str(cert), str(key))
+    port = front.start()
+    try:
+        with Client(f"localhost:{port}", tls=str(cert), api_key="k-9", backoff_s=0.01, retries=0) as c:
+            assert c.generate("hi", request_id="r-1").text == "HI"
+            assert [ch.text for ch in c.stream("one two")][:2] == ["one", "two"]
+            with pytest.raises(InvalidArgument, match="temperature must be >= 0"):
+                c.generate("hi", temperature=-1.0)
+        md = servicer.metadata[0]
+        assert (md["authorization"], md["application"], md["request_id"]) == ("Bearer k-9", "calid", "r-1")
+    finally:
+        front.stop()
