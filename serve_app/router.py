@@ -243,7 +243,8 @@ class Router:
         return False
 
     def _refuse(self, grpc_context, mode: str, code: grpc.StatusCode, message: str) -> None:
-        self._metrics.failed(mode, code.name)
+        # a metric tag from a known set only: a client's mode string is unbounded and may not be ASCII
+        self._metrics.failed(mode if mode in MODES or mode in ("default", "models") else "invalid", code.name)
         if grpc_context is not None:
             grpc_context.set_code(code)
             grpc_context.set_details(message)
