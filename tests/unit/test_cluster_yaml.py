@@ -44,3 +44,10 @@ def test_the_schema_check_catches_a_broken_config():
     broken["available_node_types"]["target_gpu"]["min_wokers"] = 1  # a typo Ray must refuse
     with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(broken))
+
+
+def test_the_dashboard_listens_on_the_heads_loopback_only():
+    """The dashboard can submit jobs: `ray dashboard cluster.yaml` forwards it over SSH instead."""
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    (start,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    assert "--dashboard-host=127.0.0.1" in start and "0.0.0.0" not in start
