@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_dtype.add_parser(bsub)
     _server_cli_module("serve_app.bench").add_parser(bsub)
+    _server_cli_module("serve_app.hostile").add_parser(bsub)
     return parser
 
 

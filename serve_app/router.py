@@ -83,6 +83,7 @@ class _Request:
     req: GenerationRequest
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seen: tuple[int, int] = (0, 0)  # draft/target tokens already counted in the rate window
+    owner: str | None = None  # the caller's API key, when keys are on: only its owner may cancel it
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024)
@@ -174,6 +175,16 @@ class Router:
         modes = [m for m in MODES if self.draft is not None or m in ("ar", "lookahead")]
         return pb.ListModelsResponse(models=models, modes=modes, default_mode=self.orch.default_decode.mode)
 
+    async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
+        """Free the caller's request ``request_id`` now (the SDK sends this when it abandons a stream)."""
+        if not self._authorized(grpc_context, "cancel"):
+            return pb.CancelResponse()
+        owner = self._owner(grpc_context)
+        found = [r for r in self._requests.values() if r.client_id == request.request_id and r.owner == owner]
+        for r in found:
+            self._close(r)
+        return pb.CancelResponse(cancelled=bool(found))
+
     async def stats(self) -> dict:
         """Router counters for tests and the demo (not part of the gRPC API)."""
         return {"active": len(self.orch.active), "waiting": len(self._waiting), "requests": len(self._requests),
@@ -215,7 +226,7 @@ class Router:
             return self._refuse(grpc_context, mode, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self._full():  # others were admitted while this one was tokenized
             return self._refuse_full(grpc_context, req.decode.mode)
-        r = _Request(request.request_id or req.request_id, req.decode.mode, req)
+        r = _Request(request.request_id or req.request_id, req.decode.mode, req, owner=self._owner(grpc_context))
         self._requests[req.request_id] = r
         self._waiting.append(req.request_id)
         self._ensure_loop()
@@ -232,6 +243,11 @@ class Router:
                             f"admission queue is full ({self.cfg.queue_capacity} waiting beside "
                             f"{self.cfg.max_active} decoding); retry later")
 
+    def _owner(self, grpc_context) -> str | None:
+        if self._keys is None or grpc_context is None:
+            return None
+        return bearer(grpc_context.invocation_metadata())
+
     def _authorized(self, grpc_context, mode: str) -> bool:
         if self._keys is None:
             return True
@@ -244,7 +260,8 @@ class Router:
 
     def _refuse(self, grpc_context, mode: str, code: grpc.StatusCode, message: str) -> None:
         # a metric tag from a known set only: a client's mode string is unbounded and may not be ASCII
-        self._metrics.failed(mode if mode in MODES or mode in ("default", "models") else "invalid", code.name)
+        self._metrics.failed(mode if mode in MODES or mode in ("default", "models", "cancel") else "invalid",
+                             code.name)
         if grpc_context is not None:
             grpc_context.set_code(code)
             grpc_context.set_details(message)

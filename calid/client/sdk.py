@@ -16,6 +16,7 @@ from calid.v1 import calid_pb2 as pb
 from calid.v1 import calid_pb2_grpc as pb_grpc
 
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
+CANCEL_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -140,16 +141,25 @@ class Client(_Base):
         msg = build_request(prompt, **kw)
         for attempt in range(self.retries + 1):
             call = self._stub.GenerateStream(msg, **self._call_args(timeout, msg.request_id))
-            started = False
+            started = finished = ended = False
             try:
                 for c in call:
-                    started = True
+                    started, finished = True, bool(c.finish_reason)
                     yield _chunk(c)
                 return
             except grpc.RpcError as e:
+                ended = True  # the server ended it: nothing to cancel
                 time.sleep(self._backoff(e, attempt, msg.request_id, started))
             finally:
-                call.cancel()  # a consumer that stops early tells the server to free the request
+                call.cancel()  # a consumer that stops early tells the server to free the request...
+                if not (finished or ended):
+                    self._cancel(msg.request_id)  # ...and says so in a call of its own (README: Faults)
+
+    def _cancel(self, request_id: str) -> None:
+        try:
+            self._stub.Cancel(pb.CancelRequest(request_id=request_id), **self._call_args(CANCEL_TIMEOUT_S, request_id))
+        except grpc.RpcError:
+            pass  # best effort: the server frees the request at its end anyway
 
     def health(self, timeout: float | None = 10.0) -> pb.HealthResponse:
         return self._unary(self._stub.Health, pb.HealthRequest(), timeout)
@@ -165,6 +175,7 @@ class AsyncClient(_Base):
         super().__init__(address, **kw)
         self._channel = (grpc.aio.secure_channel(address, self._creds) if self._creds
                          else grpc.aio.insecure_channel(address))
+        self._cancels: set[asyncio.Task] = set()
         self._stub = pb_grpc.CalidStub(self._channel)
 
     async def __aenter__(self):
@@ -174,6 +185,8 @@ class AsyncClient(_Base):
         await self.close()
 
     async def close(self) -> None:
+        if self._cancels:
+            await asyncio.gather(*self._cancels, return_exceptions=True)
         await self._channel.close()
 
     async def _unary(self, method, msg, timeout: float | None, request_id: str | None = None):
@@ -191,16 +204,28 @@ class AsyncClient(_Base):
         msg = build_request(prompt, **kw)
         for attempt in range(self.retries + 1):
             call = self._stub.GenerateStream(msg, **self._call_args(timeout, msg.request_id))
-            started = False
+            started = finished = ended = False
             try:
                 async for c in call:
-                    started = True
+                    started, finished = True, bool(c.finish_reason)
                     yield _chunk(c)
                 return
             except grpc.RpcError as e:
+                ended = True
                 await asyncio.sleep(self._backoff(e, attempt, msg.request_id, started))
             finally:
                 call.cancel()
+                if not (finished or ended):  # in the background: this may run while being cancelled
+                    task = asyncio.ensure_future(self._cancel(msg.request_id))
+                    self._cancels.add(task)
+                    task.add_done_callback(self._cancels.discard)
+
+    async def _cancel(self, request_id: str) -> None:
+        try:
+            await self._stub.Cancel(pb.CancelRequest(request_id=request_id),
+                                    **self._call_args(CANCEL_TIMEOUT_S, request_id))
+        except grpc.RpcError:
+            pass
 
     async def health(self, timeout: float | None = 10.0) -> pb.HealthResponse:
         return await self._unary(self._stub.Health, pb.HealthRequest(), timeout)

@@ -54,6 +54,11 @@ class CalidStub:
                 request_serializer=calid_dot_v1_dot_calid__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=calid_dot_v1_dot_calid__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/calid.v1.Calid/Cancel',
+                request_serializer=calid_dot_v1_dot_calid__pb2.CancelRequest.SerializeToString,
+                response_deserializer=calid_dot_v1_dot_calid__pb2.CancelResponse.FromString,
+                _registered_method=True)
 
 
 class CalidServicer:
@@ -85,6 +90,16 @@ class CalidServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cancel(self, request, context):
+        """Stop a request this caller started (by its request_id) and free its state at once. A stream a
+        client walks away from does not always reach the server as a cancellation through Ray Serve's gRPC
+        proxy, so the SDK sends this whenever it closes a stream before its last chunk. Cancelling an
+        unknown or finished request is not an error (cancelled = false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CalidServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +122,11 @@ def add_CalidServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=calid_dot_v1_dot_calid__pb2.ListModelsRequest.FromString,
                     response_serializer=calid_dot_v1_dot_calid__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=calid_dot_v1_dot_calid__pb2.CancelRequest.FromString,
+                    response_serializer=calid_dot_v1_dot_calid__pb2.CancelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +237,33 @@ class Calid:
             '/calid.v1.Calid/ListModels',
             calid_dot_v1_dot_calid__pb2.ListModelsRequest.SerializeToString,
             calid_dot_v1_dot_calid__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/calid.v1.Calid/Cancel',
+            calid_dot_v1_dot_calid__pb2.CancelRequest.SerializeToString,
+            calid_dot_v1_dot_calid__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ class _Servicer(pb_grpc.CalidServicer):
         self.failure = (grpc.StatusCode.UNAVAILABLE, "no replica")
         self.calls = 0
         self.metadata = []
+        self.cancelled = []
 
     def Generate(self, request, context):
         self.calls += 1
@@ -42,6 +43,10 @@ class _Servicer(pb_grpc.CalidServicer):
             yield pb.GenerateChunk(request_id=request.request_id, text=word, token_ids=[i])
         yield pb.GenerateChunk(request_id=request.request_id, finish_reason="eos",
                                stats=pb.RequestStats(output_tokens=len(request.prompt.split())))
+
+    def Cancel(self, request, context):
+        self.cancelled.append(request.request_id)
+        return pb.CancelResponse(cancelled=True)
 
 
 @pytest.fixture()
@@ -174,3 +179,22 @@ def test_tls_front_forwards_calls_metadata_and_status(server, self_signed):
         assert (md["authorization"], md["application"], md["request_id"]) == ("Bearer k-9", "calid", "r-1")
     finally:
         front.stop()
+
+
+def test_a_stream_closed_early_is_cancelled_by_a_call_of_its_own(server):
+    """Ray Serve's proxy can miss a client's cancellation; the SDK then tells the router itself."""
+    servicer, address = server
+    with Client(address) as c:
+        stream = c.stream("one two three", request_id="early")
+        next(stream)
+        stream.close()
+        assert list(c.stream("all of it", request_id="whole"))[-1].finish_reason == "eos"
+
+    async def main():
+        async with AsyncClient(address) as ac:
+            stream = ac.stream("one two three", request_id="early-async")
+            await stream.__anext__()
+            await stream.aclose()
+
+    asyncio.run(main())
+    assert servicer.cancelled == ["early", "early-async"]  # a stream read to its end sends none
