@@ -45,7 +45,10 @@ class AppConfig(BaseModel):
     target: str = DEFAULT_TARGET
     draft: str | None = DEFAULT_DRAFT  # a model spec, "self:N" (target's first N layers) or None
     dtype: str = "auto"  # torch dtype; auto: bf16 on CUDA and on CPUs with native bf16, else fp32
-    device: str = "cpu"
+    device: str = "cpu"  # the target's device unless target_device says otherwise
+    draft_device: str | None = Field(None, description="device of the draft replicas: cpu (draft replicas are given "
+                                     "no GPU, so they run on CPU nodes beside GPU targets)")
+    target_device: str | None = Field(None, description="device of the target replicas (default: device)")
     target_backend: str = Field("auto", description="auto: llama.cpp on CPU for GGUF models, torch on CUDA, "
                                 "for TP/PP groups and for model folders; or torch / llamacpp")
     draft_backend: str = Field("auto", description="as target_backend, for the draft (self:N always runs on torch)")
@@ -107,10 +110,13 @@ class AppConfig(BaseModel):
             raise ValueError("tensor/pipeline-parallel target groups run on torch: set target_backend to auto or torch")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and self.target_num_gpus <= 0:
-            raise ValueError("device cuda needs target_num_gpus > 0 so that target replicas are placed on GPUs")
+        for name in ("device", "draft_device", "target_device"):
+            if getattr(self, name) not in ("cpu", "cuda", None if name != "device" else "cpu"):
+                raise ValueError(f"{name} must be cpu or cuda, got {getattr(self, name)!r}")
+        if self.target_on == "cuda" and self.target_num_gpus <= 0:
+            raise ValueError("a cuda target needs target_num_gpus > 0 so that target replicas are placed on GPUs")
+        if self.draft_device == "cuda":
+            raise ValueError("draft replicas are given no GPU in this app: draft_device must be cpu")
         if self.draft is not None:
             try:
                 parse_self_draft(self.draft)
@@ -129,6 +135,14 @@ class AppConfig(BaseModel):
 
         return Limits(self.max_request_bytes, self.max_new_tokens_limit, self.max_stop_strings, self.max_stop_chars,
                       self.max_messages, self.max_prompt_tokens)
+
+    @property
+    def draft_on(self) -> str:
+        return self.draft_device or "cpu"
+
+    @property
+    def target_on(self) -> str:
+        return self.target_device or self.device
 
     @property
     def sharded(self) -> bool:
@@ -157,16 +171,16 @@ def check_models(cfg: AppConfig) -> dict:
     from calid.models.config import ModelConfig
     from calid.models.loader import load_tokenizer
 
-    def facts_of(spec: str, backend: str, sharded: bool = False):
+    def facts_of(spec: str, backend: str, device: str, sharded: bool = False):
         try:
-            chosen, folder = model_facts(spec, backend, cfg.device, sharded)
+            chosen, folder = model_facts(spec, backend, device, sharded)
         except BackendError as e:
             raise ConfigError(f"{spec}: {e}") from None
         return chosen, folder, ModelConfig.from_dir(folder)
 
-    facts = {"target": facts_of(cfg.target, cfg.target_backend, cfg.sharded)}
+    facts = {"target": facts_of(cfg.target, cfg.target_backend, cfg.target_on, cfg.sharded)}
     if cfg.draft is not None and parse_self_draft(cfg.draft) is None:
-        draft = facts_of(cfg.draft, cfg.draft_backend)
+        draft = facts_of(cfg.draft, cfg.draft_backend, cfg.draft_on)
         (_, t_dir, t_cfg), (_, d_dir, d_cfg) = facts["target"], draft
         if t_cfg.vocab_size != d_cfg.vocab_size or load_tokenizer(t_dir).get_vocab() != load_tokenizer(d_dir).get_vocab():
             raise ConfigError(f"draft {cfg.draft} and target {cfg.target} have different tokenizers "

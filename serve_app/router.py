@@ -91,7 +91,7 @@ class Router:
     def __init__(self, config, draft=None, target=None):
         self.cfg = load_config(config)
         self.draft, self.target = draft, target
-        backend, folder = model_facts(self.cfg.target, self.cfg.target_backend, self.cfg.device, self.cfg.sharded,
+        backend, folder = model_facts(self.cfg.target, self.cfg.target_backend, self.cfg.target_on, self.cfg.sharded,
                                       show_progress=False)
         model_cfg = ModelConfig.from_dir(folder)
         self.tokenizer = load_tokenizer(folder)

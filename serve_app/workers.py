@@ -160,7 +160,7 @@ class DraftDeployment(_WorkerBase):
     def __init__(self, config):
         self._setup(config)
         cfg = self.cfg
-        lm = open_draft(cfg.draft, cfg.target, cfg.draft_backend, cfg.dtype, cfg.device, self._kv_budget,
+        lm = open_draft(cfg.draft, cfg.target, cfg.draft_backend, cfg.dtype, cfg.draft_on, self._kv_budget,
                         cfg.worker_threads, show_progress=False, log=_log)
         self._runner = lm.runner
         self.worker = DraftWorker(self._runner, lm.eos_ids, max_forward_tokens=cfg.max_forward_tokens)
@@ -186,12 +186,12 @@ class TargetDeployment(_WorkerBase):
         if cfg.sharded:  # the model lives in tp x pp shard actors; this replica drives them
             from actors.group import TargetGroup
 
-            dtype = pick_dtype(cfg.dtype, cfg.device)
-            self.worker = TargetGroup(cfg.target, cfg.target_tp, dtype, cfg.device, cfg.target_num_cpus, cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads,
+            dtype = pick_dtype(cfg.dtype, cfg.target_on)
+            self.worker = TargetGroup(cfg.target, cfg.target_tp, dtype, cfg.target_on, cfg.target_num_cpus, cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads,
                                       pp=cfg.target_pp, micro_batches=cfg.target_micro_batches)
             self.worker.cached()  # build the group now, so the replica is ready when Serve says so
             return
-        lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.device, self._kv_budget, cfg.worker_threads,
+        lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,
                         show_progress=False, log=_log)
         self._runner = lm.runner
         self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)

@@ -61,7 +61,7 @@ def rollback_rule(x: RuleInput) -> Verdict:
     g = x.draft.shape[0]
     if g and x.target_nll is None:
         raise ValueError("rollback verification needs the target NLL of each draft token")
-    too_unlikely = x.target_nll > x.rollback_nll if g else torch.zeros(0, dtype=torch.bool)  # [g]
+    too_unlikely = x.target_nll > x.rollback_nll if g else torch.zeros(0, dtype=torch.bool, device=x.p.device)  # [g]
     first = int(too_unlikely.nonzero()[0]) if bool(too_unlikely.any()) else g
     return Verdict(first, _target_token(x, first))
 
@@ -72,10 +72,10 @@ def speculative_rule(x: RuleInput) -> Verdict:
         return Verdict(0, _target_token(x, 0))  # nothing drafted: a plain target step
     if x.q is None:
         raise ValueError("speculative verification needs the draft distributions q")
-    rows = torch.arange(g)
+    rows = torch.arange(g, device=x.p.device)
     p_x = x.p[rows, x.draft]  # [g]
     q_x = x.q[rows, x.draft]  # [g]
-    u = torch.rand(g, generator=x.generator)  # [g]
+    u = torch.rand(g, generator=x.generator, device=x.p.device)  # [g]
     # accept when u < p/q  (written without division; q_x > 0 for a token the draft sampled)
     accept = u * q_x < p_x  # [g]
     first = int((~accept).nonzero()[0]) if not bool(accept.all()) else g

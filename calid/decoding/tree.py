@@ -76,7 +76,7 @@ class TokenTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: node i may attend to node j iff j is i or an ancestor of i."""
         n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask = torch.zeros(n, n, dtype=torch.bool, device="cpu")  # masks are built on the host; runners move them
         for i in range(n):
             for j in self.path(i):
                 mask[i, j] = True
@@ -85,7 +85,7 @@ class TokenTree:
     def with_root_mask(self) -> torch.Tensor:
         """[n+1, n+1] bool for the verify forward over [root] + nodes."""
         n = len(self)
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool, device="cpu")
         mask[:, 0] = True
         mask[1:, 1:] = self.ancestor_mask()
         return mask
@@ -97,8 +97,8 @@ class TokenTree:
         them, its ancestors and itself. ``block_mask(1)`` is ``with_root_mask()``.
         """
         n = len(self)
-        mask = torch.zeros(prefix + n, prefix + n, dtype=torch.bool)
-        mask[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool).tril()
+        mask = torch.zeros(prefix + n, prefix + n, dtype=torch.bool, device="cpu")
+        mask[:prefix, :prefix] = torch.ones(prefix, prefix, dtype=torch.bool, device="cpu").tril()
         mask[prefix:, :prefix] = True
         mask[prefix:, prefix:] = self.ancestor_mask()
         return mask
@@ -145,7 +145,7 @@ def verify_sampled(tree: TokenTree, p: torch.Tensor, generator=None) -> TreeVerd
         for child in tree.children(node):
             x = tree.tokens[child]
             total = float(residual.sum())
-            if total > 0 and float(torch.rand(1, generator=generator)) * total < float(residual[x]):
+            if total > 0 and float(torch.rand(1, generator=generator, device=p.device)) * total < float(residual[x]):
                 accepted = child
                 break
             residual[x] = 0.0
@@ -174,7 +174,7 @@ def verify_stochastic(tree: TokenTree, p: torch.Tensor, q: torch.Tensor, generat
         accepted = None
         for child in tree.children(node):
             x = tree.tokens[child]
-            u = float(torch.rand(1, generator=generator))
+            u = float(torch.rand(1, generator=generator, device=p.device))
             if u * float(q[row, x]) < float(residual[x]):
                 accepted = child
                 break

@@ -140,7 +140,8 @@ class LlamaModel(nn.Module):
 
     def run_layers(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Hidden states [T, hidden] through this model's layers; writes K/V into the caches."""
-        cos, sin = self.rotary.tables(int(batch.positions.max()) + 1, x.dtype, x.device)
+        top = batch.max_position if batch.max_position is not None else int(batch.positions.max())  # host sync
+        cos, sin = self.rotary.tables(top + 1, x.dtype, x.device)
         cos, sin = cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)
         for block in self.layers:
             x = block(x, cos, sin, batch)

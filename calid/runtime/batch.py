@@ -50,6 +50,7 @@ class Batch:
     positions: torch.Tensor  # [T] long
     seqs: list[SeqSlice]
     logits_index: torch.Tensor  # [L] long, rows of the flat batch whose logits are wanted
+    max_position: int | None = None  # largest of ``positions``, known on the host (no device sync to read it)
 
 
 def causal_mask(q_len: int, past: int, device) -> torch.Tensor:
@@ -94,5 +95,6 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
             positions=batch.positions[lo:hi],
             seqs=[SeqSlice(s.start - lo, s.q_len, s.past, s.cache, s.mask) for s in group],
             logits_index=batch.logits_index[rows] - lo,
+            max_position=batch.max_position,
         ))
     return out

@@ -84,11 +84,19 @@ class KVCache:
         self.tokens = self.tokens[:start] + [self.tokens[r] for r in rows]
 
     def common_prefix(self, token_ids: list[int]) -> int:
+        """Length of the longest common prefix, by list comparisons (C speed) instead of a token loop:
+        one comparison in the common case (the cache is a prefix of the ids), else a binary search."""
         n = min(len(self.tokens), len(token_ids))
-        i = 0
-        while i < n and self.tokens[i] == token_ids[i]:
-            i += 1
-        return i
+        if self.tokens[:n] == token_ids[:n]:
+            return n
+        lo, hi = 0, n - 1  # tokens[:lo] match; the first mismatch is at an index <= hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.tokens[:mid] == token_ids[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _grow(self, capacity: int) -> None:
         heads, dim = self.shape

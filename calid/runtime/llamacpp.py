@@ -168,6 +168,10 @@ class LlamaCppRunner:
         return (f"llama.cpp {self.path.name}, {self.threads} threads, {self.slots} sequences x "
                 f"{self.cells_per_slot} tokens of KV ({self.kv_bytes / 2**20:.0f} MiB)")
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # logits come back in host memory
+
     def cached_count(self) -> int:
         return len(self._seqs)
 

@@ -64,6 +64,10 @@ class ModelRunner:
     def max_position(self) -> int:
         return self.model.cfg.max_position
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
     def cached_count(self) -> int:
         """Sequences with a live KV cache."""
         return len(self.caches)
@@ -140,7 +144,7 @@ class ModelRunner:
             positions.extend(inp.positions if inp.positions is not None else range(past, past + q))
             at = inp.logits_at if inp.logits_at is not None else [q - 1]
             logits_index.extend(start + i for i in at)
-            mask = tree_mask(inp.ancestors, past) if inp.ancestors is not None else None
+            mask = tree_mask(inp.ancestors.to(self.device), past) if inp.ancestors is not None else None
             seqs.append(SeqSlice(start, q, past, cache, mask))
             start += q
         self.caches.enforce_budget(pinned)
@@ -150,4 +154,5 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             seqs=seqs,
             logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
+            max_position=max(positions),
         )

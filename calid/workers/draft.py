@@ -23,9 +23,9 @@ BRANCH_POINTS = 1  # unsure positions a tree chain branches at before it stops g
 
 
 class _Chain:
-    def __init__(self, task: DraftTask, eos_ids: frozenset[int]):
+    def __init__(self, task: DraftTask, eos_ids: frozenset[int], device: torch.device):
         self.task = task
-        self.generator = load_generator(task.rng)
+        self.generator = load_generator(task.rng, device)
         self.tokens: list[int] = []
         self.q: list[torch.Tensor] = []
         self.done = task.budget == 0
@@ -74,7 +74,7 @@ class DraftWorker:
     def draft(self, tasks: list[DraftTask]) -> list[DraftResult]:
         order, prefilling = tasks, self._prefill_chunks(tasks)
         tasks = [t for t in tasks if t.request_id not in prefilling]
-        chains = [_Chain(t, self.eos_ids) for t in tasks if not t.decode.is_tree]
+        chains = [_Chain(t, self.eos_ids, self.runner.device) for t in tasks if not t.decode.is_tree]
         self._draft_chains(chains)
         tree_tasks = [t for t in tasks if t.decode.mode == "tree"]
         stochastic = [t for t in tree_tasks if _stochastic(t)]
@@ -180,7 +180,7 @@ class DraftWorker:
         out = {}
         trees = {t.request_id: TokenTree() for t in tasks}
         q_rows: dict[Hashable, dict[int, torch.Tensor]] = {t.request_id: {} for t in tasks}
-        gens = {t.request_id: load_generator(t.rng) for t in tasks}
+        gens = {t.request_id: load_generator(t.rng, self.runner.device) for t in tasks}
         forwards = {t.request_id: 0 for t in tasks}
         lanes = [(t, 0, -1) for t in tasks if min(t.decode.gamma, t.budget) > 0]  # (task, chain, tip)
         for t in tasks:
@@ -202,7 +202,7 @@ class DraftWorker:
             lanes = still
         for t in tasks:
             rid, tree = t.request_id, trees[t.request_id]
-            q = torch.zeros(len(tree) + 1, self.runner.vocab_size)  # [n+1, V]
+            q = torch.zeros(len(tree) + 1, self.runner.vocab_size, device=self.runner.device)  # [n+1, V]
             for row, dist in q_rows[rid].items():
                 q[row] = dist
             out[rid] = DraftResult(rid, [], q, True, tree, forwards[rid], save_generator(gens[rid]))

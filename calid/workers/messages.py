@@ -14,6 +14,8 @@ Serve handle unchanged (serve_app) or a plain function call (calid.Engine).
 """
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -70,11 +72,21 @@ class VerifyResult:
     rng: torch.Tensor | None = None
 
 
-def load_generator(state: torch.Tensor | None) -> torch.Generator | None:
+def load_generator(state: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator on ``device`` that continues the stream ``state`` describes.
+
+    The state travels with the request between router and workers. A state of another device kind
+    (a CPU draft and a CUDA target take turns) cannot be loaded as it is; the generator then continues
+    from a seed derived from it, so sampled output stays a pure function of the seed and the placement.
+    """
     if state is None:
         return None
-    g = torch.Generator()
-    g.set_state(state)
+    g = torch.Generator(device=device)
+    try:
+        g.set_state(state)
+    except RuntimeError:  # the state of another device's generator (a different algorithm)
+        digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8).digest()
+        g.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
     return g
 
 

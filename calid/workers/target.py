@@ -131,14 +131,14 @@ class TargetWorker:
         return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)) if all_rows else [n - 1])
 
     def _chain_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
-        generator = load_generator(t.rng)
-        draft = torch.tensor(t.draft, dtype=torch.long)
+        generator = load_generator(t.rng, rows.device)
+        draft = torch.tensor(t.draft, dtype=torch.long, device=rows.device)
         target_nll = None
         if t.decode.mode == "rollback" and t.draft:
             target_nll = -torch.log_softmax(rows[:-1].float(), -1).gather(1, draft[:, None]).squeeze(1)
-        q = t.q
+        q = None if t.q is None else t.q.to(rows.device)  # the draft's rows may come from another device
         if q is None and t.decode.mode == "speculative" and t.draft:  # greedy draft: one-hot rows
-            q = torch.zeros(len(t.draft), rows.shape[-1]).scatter_(1, draft[:, None], 1.0)
+            q = torch.zeros(len(t.draft), rows.shape[-1], device=rows.device).scatter_(1, draft[:, None], 1.0)
         rule = get_rule("filter" if t.decode.mode == "ar" else t.decode.mode)
         v = rule(RuleInput(draft=draft, q=q, p=warp(rows, t.warp), generator=generator,
                            target_nll=target_nll, rollback_nll=t.decode.rollback_nll))
@@ -156,11 +156,11 @@ class TargetWorker:
                         ancestors=tree.block_mask(c), logits_at=list(range(c - 1, c + len(tree))))
 
     def _tree_verdict(self, t: VerifyTask, tree: TokenTree, rows: torch.Tensor) -> VerifyResult:
-        generator = load_generator(t.rng)
+        generator = load_generator(t.rng, rows.device)
         if t.warp.greedy:
             verdict = verify_greedy(tree, rows.argmax(-1).tolist())
         elif t.q is not None:  # i.i.d. sampled children (SpecInfer): multi-step speculative sampling
-            verdict = verify_stochastic(tree, warp(rows, t.warp), t.q, generator)
+            verdict = verify_stochastic(tree, warp(rows, t.warp), t.q.to(rows.device), generator)
         else:
             verdict = verify_sampled(tree, warp(rows, t.warp), generator)
         committed = len(t.token_ids)

@@ -28,6 +28,7 @@ def test_cluster_serve_config_targets_the_node_types():
     (app,) = ServeDeploySchema(**doc).applications
     cfg = load_config(app.args)
     assert set(cfg.target_resources) == {"target_node"} and set(cfg.draft_resources) == {"draft_node"}
+    assert (cfg.target_on, cfg.draft_on) == ("cuda", "cpu")  # the draft_cpu nodes have no GPU
     # the minimum cluster of cluster.yaml (head + one node of each type) holds the minimum replicas
     check_resources(cfg, {"CPU": 8 + 16 + 8, "GPU": 1, "target_node": 1, "draft_node": 1})
 

@@ -87,3 +87,17 @@ def test_pipeline_stages_with_different_layer_counts_evict_the_same_sequences():
         store.enforce_budget(pinned={"d"})
     assert [sorted(s._caches) for s in stores] == [["c", "d"], ["c", "d"]]
     assert stores[1].get("c").nbytes * 5 == stores[1].get("c").charged_bytes * 2
+
+
+def test_common_prefix_matches_a_token_by_token_scan():
+    import random
+
+    from calid.runtime.kv_cache import KVCache
+
+    rng = random.Random(0)
+    cache = KVCache(1, 1, 2, torch.float32, "cpu")
+    for _ in range(300):
+        cache.tokens = [rng.randrange(3) for _ in range(rng.randrange(12))]
+        ids = [rng.randrange(3) for _ in range(rng.randrange(12))]
+        want = next((i for i, (a, b) in enumerate(zip(cache.tokens, ids)) if a != b), min(len(cache.tokens), len(ids)))
+        assert cache.common_prefix(ids) == want, (cache.tokens, ids)

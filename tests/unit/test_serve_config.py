@@ -10,6 +10,8 @@ from serve_app.config import AppConfig, ConfigError, check_resources, load_confi
     ({"dtype": "fp8"}, "dtype"),
     ({"device": "tpu"}, "device"),
     ({"device": "cuda"}, "target_num_gpus"),
+    ({"target_device": "cuda"}, "target_num_gpus"),
+    ({"draft_device": "cuda"}, "draft_device must be cpu"),
     ({"default_mode": "fast"}, "default_mode"),
     ({"draft": None, "default_mode": "speculative"}, "needs a draft"),
     ({"draft": "self:x"}, "self:N"),
@@ -44,3 +46,12 @@ def test_a_pipelined_target_counts_every_stage():
     with pytest.raises(ConfigError, match="GPU: need 6, cluster has 4"):  # 2 x 3 shards, one GPU each
         check_resources(cfg, {"CPU": 16.0, "GPU": 4.0})
     check_resources(cfg, {"CPU": 7.1, "GPU": 6.0})
+
+
+def test_each_role_has_its_device():
+    """A cuda target does not drag its draft onto a GPU it was never given (the cluster config's draft
+    replicas run on CPU-only nodes)."""
+    cfg = AppConfig(target_device="cuda", target_num_gpus=1)
+    assert (cfg.target_on, cfg.draft_on) == ("cuda", "cpu")
+    assert AppConfig(device="cuda", target_num_gpus=1).draft_on == "cpu"
+    assert (AppConfig().target_on, AppConfig().draft_on) == ("cpu", "cpu")
