@@ -29,3 +29,65 @@ def wait_until(predicate, timeout_s: float = 30.0, every_s: float = 0.2):
             return value
         time.sleep(every_s)
     return predicate()
+
+
+# ---- stand-ins for Serve's transport, to drive the router and the workers in process -----------------
+
+class GrpcContext:
+    """The parts of Serve's gRPC context the router uses."""
+
+    def __init__(self, metadata=()):
+        self.code, self.message, self.metadata = None, None, tuple(metadata)
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, message):
+        self.message = message
+
+    def details(self):
+        return self.message
+
+    def invocation_metadata(self):
+        return self.metadata
+
+
+class Call:
+    """An awaitable worker call with cancel(), as Serve's DeploymentResponse."""
+
+    def __init__(self, coro):
+        import asyncio
+
+        self._task = asyncio.ensure_future(coro)
+        self.cancelled = False
+
+    def __await__(self):
+        return self._task.__await__()
+
+    def cancel(self):
+        self.cancelled = True
+        self._task.cancel()
+
+
+class StandIn:
+    """Serve's deployment handle in process: ``options(...)`` is ignored and ``.method.remote(*args)``
+    runs the coroutine ``self._method(*args)`` (subclasses define them), returning a Call."""
+
+    def options(self, **kw):
+        return self
+
+    def sent(self, method: str, call: Call) -> None:
+        """Every call made, as the caller holds it (override to record)."""
+
+    def __getattr__(self, method):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        outer = self
+
+        class _Method:
+            def remote(self, *args):
+                call = Call(getattr(outer, f"_{method}")(*args))
+                outer.sent(method, call)
+                return call
+
+        return _Method()

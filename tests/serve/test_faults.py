@@ -5,7 +5,7 @@ import asyncio
 
 import grpc
 import pytest
-from serve_helpers import deploy, handle
+from serve_helpers import GrpcContext, deploy, handle
 
 from calid.client import Client
 from calid.v1 import calid_pb2 as pb
@@ -63,26 +63,12 @@ class _DeadHandle:
         return _Method()
 
 
-class _Context:
-    def __init__(self):
-        self.code, self.message = None, None
-
-    def set_code(self, code):
-        self.code = code
-
-    def set_details(self, message):
-        self.message = message
-
-    def details(self):
-        return self.message
-
-
 def test_no_worker_answers_is_unavailable_after_retries(serve_port):
     from serve_app.router import Router
 
     dead = _DeadHandle()
     router = Router.func_or_class(AppConfig.small(draft=None, worker_call_retries=2).model_dump(), None, dead)
-    ctx = _Context()
+    ctx = GrpcContext()
     resp = asyncio.run(router.Generate(pb.GenerateRequest(prompt="hi", max_new_tokens=4), ctx))
     assert ctx.code == grpc.StatusCode.UNAVAILABLE and "target deployment could not serve" in ctx.message
     assert dead.calls == 3 and resp.text == ""
@@ -98,7 +84,7 @@ def test_admission_holds_for_a_burst_that_arrives_between_steps(serve_port):
     async def burst():
         router = Router.func_or_class(AppConfig.small(draft=None, max_active=4, queue_capacity=6).model_dump(),
                                       None, _DeadHandle())
-        contexts = [_Context() for _ in range(150)]
+        contexts = [GrpcContext() for _ in range(150)]
         opened = await asyncio.gather(*(router._open(pb.GenerateRequest(prompt="hi", max_new_tokens=4), c)
                                         for c in contexts))
         admitted = [r for r in opened if r is not None]

@@ -12,6 +12,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from serve_helpers import GrpcContext
+
 from calid.decoding.modes import MODES
 from calid.v1 import calid_pb2 as pb
 from serve_app.config import AppConfig
@@ -42,20 +44,6 @@ def requests(draw, max_tokens=_u32):
     return msg
 
 
-class _Context:
-    def __init__(self):
-        self.code, self.message = None, None
-
-    def set_code(self, code):
-        self.code = code
-
-    def set_details(self, message):
-        self.message = message
-
-    def invocation_metadata(self):
-        return ()
-
-
 class _NoWorkers:
     def options(self, **kw):
         return self
@@ -72,7 +60,7 @@ def router():
 @given(msg=requests())
 def test_any_request_is_admitted_or_refused_with_a_clear_status(router, msg):
     async def open_and_close():
-        ctx = _Context()
+        ctx = GrpcContext()
         r = await router._open(msg, ctx)
         if r is not None:
             router._requests.clear()  # admitted: drop it before the step loop runs (no workers here)

@@ -12,6 +12,8 @@ import threading
 import grpc
 import pytest
 
+from serve_helpers import GrpcContext, StandIn
+
 from calid.text import encode_prompt
 from calid.v1 import calid_pb2 as pb
 from serve_app.config import AppConfig
@@ -22,60 +24,17 @@ PROMPTS = ["What is the capital of France?", "List three colors of the rainbow."
 POISON = "Write the word poison."
 
 
-class _Context:
-    def __init__(self, metadata=()):
-        self.code, self.message, self.metadata = None, None, tuple(metadata)
-
-    def set_code(self, code):
-        self.code = code
-
-    def set_details(self, message):
-        self.message = message
-
-    def details(self):
-        return self.message
-
-    def invocation_metadata(self):
-        return self.metadata
-
-
-class _Call:
-    """An awaitable worker call with cancel(), as Serve's DeploymentResponse."""
-
-    def __init__(self, coro):
-        self._task = asyncio.ensure_future(coro)
-        self.cancelled = False
-
-    def __await__(self):
-        return self._task.__await__()
-
-    def cancel(self):
-        self.cancelled = True
-        self._task.cancel()
-
-
-class _Target:
+class _Target(StandIn):
     """Serve's target handle, in process, around a real TargetWorker."""
 
     def __init__(self, worker, poison_ids=None, hang_first=False):
         self.worker, self.poison_ids, self.hang_first = worker, poison_ids, hang_first
         self.calls: list[tuple[list, None]] = []  # verify calls' tasks, as the worker saw them
-        self.sent: list[_Call] = []  # every verify call, as the router holds it
+        self.verify_calls: list = []  # every verify call, as the router holds it
 
-    def options(self, **kw):
-        return self
-
-    def __getattr__(self, method):
-        outer = self
-
-        class _Method:
-            def remote(self, *args):
-                call = _Call(getattr(outer, f"_{method}")(*args))
-                if method == "verify":
-                    outer.sent.append(call)
-                return call
-
-        return _Method()
+    def sent(self, method, call):
+        if method == "verify":
+            self.verify_calls.append(call)
 
     async def _verify(self, tasks, report=None):
         call_no = len(self.calls)
@@ -117,7 +76,7 @@ def _worker(target):
 
 
 async def _generate(router, prompt, ctx=None):
-    ctx = ctx or _Context()
+    ctx = ctx or GrpcContext()
     resp = await router.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=12, ignore_eos=True), ctx)
     return ctx, resp
 
@@ -156,8 +115,8 @@ def test_a_hung_worker_call_times_out_is_cancelled_and_retried(target):
     ctx, resp, handle = asyncio.run(run())
     want = asyncio.run(_generate(_router(_Target(_worker(target))), PROMPTS[0]))[1]
     assert ctx.code is None and list(resp.token_ids) == list(want.token_ids)
-    assert len(handle.sent) > 1  # retried after the timeout...
-    assert handle.sent[0].cancelled and not any(c.cancelled for c in handle.sent[1:])  # ...which cancelled it
+    assert len(handle.verify_calls) > 1  # retried after the timeout...
+    assert handle.verify_calls[0].cancelled and not any(c.cancelled for c in handle.verify_calls[1:])  # ...which cancelled it
 
 
 def test_tokenization_runs_off_the_event_loop(target):
@@ -202,10 +161,10 @@ def test_api_keys(target, tmp_path):
         for name, metadata in (("none", []), ("unknown", [("authorization", "Bearer k-gamma")]),
                                ("no scheme", [("authorization", "k-alpha")]),
                                ("good", [("authorization", "Bearer k-beta")])):
-            calls[name] = (await _generate(router, PROMPTS[1], _Context(metadata)))[0]
-        models = _Context()
+            calls[name] = (await _generate(router, PROMPTS[1], GrpcContext(metadata)))[0]
+        models = GrpcContext()
         await router.ListModels(pb.ListModelsRequest(), models)
-        health = await router.Health(pb.HealthRequest(), _Context())
+        health = await router.Health(pb.HealthRequest(), GrpcContext())
         return calls, models, health
 
     calls, models, health = asyncio.run(run())

@@ -8,6 +8,8 @@ import threading
 
 import pytest
 
+from serve_helpers import StandIn
+
 from calid.v1 import calid_pb2 as pb
 from serve_app.config import AppConfig
 
@@ -28,40 +30,22 @@ def _replica(**overrides):
     return replica
 
 
-class _Call:
-    def __init__(self, coro):
-        self._task = asyncio.ensure_future(coro)
-
-    def __await__(self):
-        return self._task.__await__()
-
-    def cancel(self):
-        self._task.cancel()
-
-
-class _RoundRobin:
+class _RoundRobin(StandIn):
     """Serve's handle over several in-process replicas: verify calls take turns; a release reaches only
     the replica the call's affinity would pick today (the last one)."""
 
     def __init__(self, replicas):
         self.replicas, self.turn = replicas, 0
 
-    def options(self, **kw):
-        return self
+    async def _verify(self, *args):
+        self.turn += 1
+        return await self.replicas[self.turn % len(self.replicas)].verify(*args)
 
-    def __getattr__(self, method):
-        outer = self
+    async def _release(self, *args):
+        await self.replicas[-1].release(*args)
 
-        class _Method:
-            def remote(self, *args):
-                if method == "verify":
-                    outer.turn += 1
-                    return _Call(outer.replicas[outer.turn % len(outer.replicas)].verify(*args))
-                if method == "release":
-                    return _Call(outer.replicas[-1].release(*args))
-                return _Call(asyncio.sleep(0, {}))  # costs
-
-        return _Method()
+    async def _costs(self):
+        return {}
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +90,8 @@ def test_caches_no_call_touched_for_cache_idle_s_are_freed(replicas):
 
     async def run():
         class _Keep(_RoundRobin):  # never releases: a lost release
-            def __getattr__(self, method):
-                if method == "release":
-                    class _Drop:
-                        def remote(self, *a):
-                            return _Call(asyncio.sleep(0))
-                    return _Drop()
-                return super().__getattr__(method)
+            async def _release(self, *args):
+                pass
 
         router = Router.func_or_class(AppConfig.small(draft=None).model_dump(), None, _Keep([replica]))
         await router.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=4), None)
