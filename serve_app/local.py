@@ -14,10 +14,15 @@ LOOPBACK_ENV = {
 }
 
 
-def start_ray(num_cpus: int | None = None, dashboard: bool = True) -> str | None:
-    """Start a local Ray on 127.0.0.1 (or reuse the running one); returns the dashboard URL if any."""
+def loopback_env() -> None:
+    """Must run before ``ray`` is first imported: Ray reads these once, at import."""
     for k, v in LOOPBACK_ENV.items():
         os.environ.setdefault(k, v)
+
+
+def start_ray(num_cpus: int | None = None, dashboard: bool = True) -> str | None:
+    """Start a local Ray on 127.0.0.1 (or reuse the running one); returns the dashboard URL if any."""
+    loopback_env()
     import ray
 
     if not ray.is_initialized():
@@ -38,6 +43,7 @@ def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True) -> str |
     With TLS configured, a TLS front (serve_app.tls_front) takes cfg.grpc_port and Serve's proxy a free
     loopback port behind it.
     """
+    loopback_env()  # before serve_app.app imports ray
     from serve_app.app import start
 
     if cfg.tls_cert_file is not None:

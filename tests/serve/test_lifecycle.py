@@ -40,6 +40,13 @@ def _wait_ready(port: int, proc: subprocess.Popen, tls: str, timeout_s: float = 
     raise AssertionError("calid serve did not come up")
 
 
+def _user_env() -> dict:
+    """The environment of a user's shell: none of the Ray settings the test session itself sets."""
+    from serve_app.local import LOOPBACK_ENV
+
+    return {k: v for k, v in os.environ.items() if k not in LOOPBACK_ENV and k != "RAY_ADDRESS"}
+
+
 def _alive(pids: list[int]) -> list[str]:
     out = []
     for pid in pids:
@@ -60,11 +67,14 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
     proc = subprocess.Popen([CALID, "serve", "--small", "--draft", "none", "--port", str(port), "--no-dashboard",
                              "--drain-grace-s", "120", "--tls-cert", str(cert), "--tls-key", str(key)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_ADDRESS": ""}, start_new_session=True)
+                            env=_user_env(), start_new_session=True)
     try:
         _wait_ready(port, proc, tls)
-        family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        children = psutil.Process(proc.pid).children(recursive=True)
+        family = [c.pid for c in children]
         assert family, "Ray's processes should be the server's children"
+        (gcs,) = [c for c in children if "gcs_server" in c.name()]
+        assert "--node-ip-address=127.0.0.1" in gcs.cmdline()  # Ray on loopback, as in the tests
         results, first_chunk = {}, threading.Barrier(4)
 
         def stream(i):
