@@ -461,10 +461,9 @@ class Router:
                 _cancel(calls)
                 if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                     raise  # the router itself is shutting down
-                if not _is_system_error(e) and len(tasks) == 1:
-                    return [], {tasks[0].request_id: _Failure(grpc.StatusCode.INTERNAL, f"the {role} deployment "
-                                                              f"failed on this request: {_first_line(e)}")}
-                if not _is_system_error(e):
+                if not _is_system_error(e):  # one request: it is the culprit; several: find it
+                    if len(tasks) == 1:
+                        return [], {tasks[0].request_id: _request_failure(role, e)}
                     return await self._isolate(role, handle, method, groups, report, e)
                 if attempt == self.cfg.worker_call_retries:
                     raise WorkersUnavailable(role, e) from e
@@ -484,9 +483,7 @@ class Router:
         for (t, call), out in zip(alone, outs):
             if isinstance(out, BaseException):
                 _cancel([call])
-                code = grpc.StatusCode.UNAVAILABLE if _is_system_error(out) else grpc.StatusCode.INTERNAL
-                failed[t.request_id] = _Failure(code, f"the {role} deployment failed on this request: "
-                                                      f"{_first_line(out)}")
+                failed[t.request_id] = _request_failure(role, out)
             else:
                 results += out
         return results, failed
@@ -516,7 +513,11 @@ def _cancel(calls: list) -> None:
             pass
 
 
-def _first_line(e: BaseException) -> str:
+def _request_failure(role: str, e: BaseException) -> _Failure:
+    """One request's failure: INTERNAL with the worker's own message for an error its code raised,
+    UNAVAILABLE for a lost replica or a timeout."""
     cause = getattr(e, "cause", None) or e
     text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+    code = grpc.StatusCode.UNAVAILABLE if _is_system_error(e) else grpc.StatusCode.INTERNAL
+    return _Failure(code, f"the {role} deployment failed on this request: {type(cause).__name__}: "
+                          f"{text[-1] if text else ''}")
