@@ -49,15 +49,16 @@ class Orchestrator:
 
     # ---- admission ------------------------------------------------------------------
 
-    def validate(self, req: GenerationRequest) -> GenerationRequest:
-        """Fill defaults and check the request; raises InvalidRequestError / EngineConfigError."""
+    def validate(self, req: GenerationRequest, edge: bool = False) -> GenerationRequest:
+        """Fill defaults and check the request; raises InvalidRequestError / EngineConfigError.
+        ``edge``: the client drafts (calid.edge), so no draft model is needed here."""
         if req.request_id is None:
             req.request_id = f"req-{next(self._ids)}"
         if req.decode is None:
             req.decode = self.default_decode
         validate_request(req, self.max_position)
         req.decode.validate()
-        if req.decode.uses_draft and not self.has_draft:
+        if req.decode.uses_draft and not self.has_draft and not edge:
             raise EngineConfigError(f"mode {req.decode.mode!r} needs a draft model; this deployment has none")
         return req
 
@@ -172,9 +173,13 @@ class Orchestrator:
     def _draft_budget(self, s: RequestState, gamma: int | None = None) -> int:
         """Most draft tokens worth proposing now: the step's gamma, the request's remaining budget, the context."""
         decode = self.decode_of(s)
-        left = min(s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids))
-        spare = left if decode.mode == "filter" else left - 1  # verifying modes add a target token
-        return max(0, min(decode.gamma if gamma is None else gamma, spare))
+        return _budget(decode.mode, decode.gamma if gamma is None else gamma,
+                       s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids))
+
+    def round_budget(self, req: GenerationRequest, produced: int = 0) -> int:
+        """Most draft tokens an edge client's next round may carry, ``produced`` tokens into the output."""
+        return _budget(req.decode.mode, req.decode.gamma, req.params.max_new_tokens - produced,
+                       self.max_position - len(req.prompt_ids) - produced)
 
     @staticmethod
     def _adapt(s: RequestState, accepted: int, proposed: int) -> None:
@@ -182,6 +187,12 @@ class Orchestrator:
             return
         step = ADAPT_STEP if accepted < proposed else -ADAPT_STEP
         s.set_threshold(min(0.99, max(0.0, s.threshold + step)))
+
+
+def _budget(mode: str, gamma: int, tokens_left: int, context_left: int) -> int:
+    left = min(tokens_left, context_left)
+    spare = left if mode == "filter" else left - 1  # verifying modes add a target token
+    return max(0, min(gamma, spare))
 
 
 def _rng(s: RequestState):

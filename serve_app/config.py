@@ -96,6 +96,8 @@ class AppConfig(BaseModel):
                                          "it counts as failed (a hung replica) and is retried")
     cache_idle_s: float = Field(900.0, gt=0, description="a worker frees a request's KV cache that no call has "
                                 "touched for this long (a release that never arrived)")
+    edge_round_timeout_s: float = Field(30.0, gt=0, description="Collaborate: a client that sends no draft round "
+                                        "for this long gets DEADLINE_EXCEEDED and its request is freed")
     grpc_port: int = Field(50051, ge=1, le=65535)
     app_name: str = "calid"
 

@@ -19,6 +19,9 @@ class RouterMetrics:
                                         tag_keys=("mode", "code"))
         self.tokens = metrics.Counter("calid_tokens", "output tokens by source (draft or target)",
                                       tag_keys=("mode", "source"))
+        self.drafted = metrics.Counter("calid_drafted_tokens", "output tokens that came from a draft, by where it "
+                                       "ran: edge (the client's own draft, Collaborate) or cluster",
+                                       tag_keys=("where",))
         self.filtered_fraction = metrics.Gauge("calid_filtered_fraction",
                                                "output tokens from the draft / all output tokens (last 10 s)")
         self.acceptance = metrics.Histogram("calid_acceptance_length", "draft tokens accepted per verification",

@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from actors.group import GroupFailed
 from calid.decoding.modes import MODES
+from calid.edge import EdgeRound, round_draft
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent
 from calid.models.config import ModelConfig
@@ -42,6 +43,7 @@ from calid.v1 import calid_pb2 as pb
 from serve_app import protocol
 from serve_app.auth import AuthConfigError, allowed, bearer, load_keys
 from serve_app.config import ConfigError, load_config
+from serve_app.edge import collaborate
 from serve_app.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
@@ -75,15 +77,25 @@ class _Failure:
 
 
 @dataclass
+class _RoundEnd:
+    """An edge request's round is done: ``accepted`` of its draft tokens were kept."""
+
+    accepted: int
+
+
+@dataclass
 class _Request:
     """Router-side handle of one request: its client id, mode and the channel its events go to."""
 
     client_id: str
     mode: str
     req: GenerationRequest
+    deadline: float  # monotonic time by which it must finish (request_timeout_s)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seen: tuple[int, int] = (0, 0)  # draft/target tokens already counted in the rate window
     owner: str | None = None  # the caller's API key, when keys are on: only its owner may cancel it
+    edge: bool = False  # the client drafts (Collaborate): its steps wait for the client's rounds
+    round: EdgeRound | None = None  # an edge request's draft round, until a step has used it
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024)
@@ -203,9 +215,15 @@ class Router:
 
     # ---- admission and delivery ------------------------------------------------------
 
-    async def _open(self, request: pb.GenerateRequest, grpc_context) -> _Request | None:
+    async def Collaborate(self, request_stream, grpc_context=None):
+        """Edge drafting (calid.v1 Collaborate): the client drafts, this router filters and verifies."""
+        async for reply in collaborate(self, request_stream, grpc_context):
+            yield reply
+
+    async def _open(self, request: pb.GenerateRequest, grpc_context, edge: bool = False) -> _Request | None:
         """Authenticate, check, tokenize (off the event loop) and admit; on refusal set the status code and
-        return None. Everything that costs nothing runs before the tokenizer, so refusals take no time."""
+        return None. Everything that costs nothing runs before the tokenizer, so refusals take no time.
+        ``edge``: a Collaborate request, drafted by the client."""
         mode = request.mode or "default"
         if not self._authorized(grpc_context, mode):
             return None
@@ -221,12 +239,13 @@ class Router:
                 self.cfg.limits)
             self._n += 1
             req.request_id = f"{self._id}-{self._n}"
-            self.orch.validate(req)
+            self.orch.validate(req, edge=edge)
         except CalidError as e:
             return self._refuse(grpc_context, mode, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if self._full():  # others were admitted while this one was tokenized
             return self._refuse_full(grpc_context, req.decode.mode)
-        r = _Request(request.request_id or req.request_id, req.decode.mode, req, owner=self._owner(grpc_context))
+        r = _Request(request.request_id or req.request_id, req.decode.mode, req,
+                     time.monotonic() + self.cfg.request_timeout_s, owner=self._owner(grpc_context), edge=edge)
         self._requests[req.request_id] = r
         self._waiting.append(req.request_id)
         self._ensure_loop()
@@ -272,16 +291,16 @@ class Router:
         return pb.GenerateResponse(request_id=r.client_id)
 
     async def _events(self, r: _Request):
-        deadline = time.monotonic() + self.cfg.request_timeout_s
+        """The request's events until it finishes or fails (an edge request's: until its round ends)."""
         while True:
             try:
-                item = await asyncio.wait_for(r.events.get(), timeout=max(0.0, deadline - time.monotonic()))
+                item = await asyncio.wait_for(r.events.get(), timeout=max(0.0, r.deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 yield _Failure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"request did not finish within request_timeout_s={self.cfg.request_timeout_s:g}")
                 return
             yield item
-            if isinstance(item, _Failure) or item.result is not None:
+            if isinstance(item, (_Failure, _RoundEnd)) or item.result is not None:
                 return
 
     def _close(self, r: _Request) -> None:
@@ -302,9 +321,9 @@ class Router:
         while True:
             self._drop_cancelled()
             self._admit()
-            states = list(self.orch.active.values())
+            states = [s for s in self.orch.active.values() if self._ready(s)]
             self._metrics.queue_depth.set(len(self._waiting))
-            self._metrics.active.set(len(states))
+            self._metrics.active.set(len(self.orch.active))
             if not states:
                 self._wake.clear()
                 await self._wake.wait()
@@ -320,6 +339,11 @@ class Router:
                 for s in states:
                     self._deliver_failure(s.req.request_id, _Failure(grpc.StatusCode.INTERNAL, f"internal error: {e!r}"))
             self._finish(self.orch.finished())
+
+    def _ready(self, s: RequestState) -> bool:
+        """Whether a step can advance ``s`` now: an edge request waits for its client's next round."""
+        r = self._requests.get(s.req.request_id)
+        return r is None or not r.edge or r.round is not None
 
     def _admit(self) -> None:
         while self._waiting and len(self.orch.active) < self.cfg.max_active:
@@ -345,12 +369,17 @@ class Router:
         if self.draft is not None and not self._calibrated and any(
                 s.req.decode.mode == "auto" for s in states):
             await self._calibrate()
-        tasks = self.orch.draft_tasks(states)
+        edge = [r for s in states if (r := self._requests.get(s.req.request_id)) is not None and r.edge]
+        edge_ids = {r.req.request_id for r in edge}
+        tasks = self.orch.draft_tasks([s for s in states if s.req.request_id not in edge_ids])
         start = time.perf_counter()
         drafts, failed = await self._call("draft", tasks) if tasks else ([], {})
         states = self._drop_failed(states, failed)
         if drafts:
             self.orch.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
+        before = {r.req.request_id: (len(self.orch.active[r.req.request_id].output),
+                                     self.orch.active[r.req.request_id].stats.draft_tokens) for r in edge}
+        drafts += [self._edge_draft(r) for r in edge]
         events, verify = self.orch.after_draft(states, drafts)
         self._deliver(events)
         if verify:
@@ -362,7 +391,27 @@ class Router:
             if all(s.stats.target_calls for s in states) and not failed:  # decode steps only: a prefill's size is unknown here
                 self.orch.observe_verify(sum(1 + len(t.draft) for t in verify), time.perf_counter() - start)
             self._deliver(self.orch.after_verify(results))
+        self._end_rounds(edge, before)
         self._count_tokens(states)
+
+    def _edge_draft(self, r: _Request):
+        """The DraftResult of an edge request's round (calid.edge.round_draft)."""
+        s = self.orch.active[r.req.request_id]
+        return round_draft(r.req.request_id, r.round, mode=r.req.decode.mode, threshold=s.threshold,
+                           vocab_size=self.vocab_size, sampled=not r.req.params.warp.greedy)
+
+    def _end_rounds(self, edge: list[_Request], before: dict) -> None:
+        """An edge round is used up once its request moved on (a target that only prefilled a chunk of the
+        prompt leaves the round for the next step); its client then hears how many draft tokens were kept."""
+        for r in edge:
+            rid = r.req.request_id
+            s = self.orch.active.get(rid)
+            if s is None or rid not in self._requests:  # failed or cancelled during the step
+                continue
+            produced, drafted = before[rid]
+            if len(s.output) > produced or s.finish_reason:
+                r.round = None
+                r.events.put_nowait(_RoundEnd(s.stats.draft_tokens - drafted))
 
     def _drop_failed(self, states: list[RequestState], failed: dict[str, _Failure]) -> list[RequestState]:
         """Fail the requests a worker could not serve; the others go on."""
@@ -411,6 +460,7 @@ class Router:
     def _count_tokens(self, states: list[RequestState]) -> None:
         """Add this step's new tokens to the rate window: one entry per step and kind, not per request."""
         new = {True: [0, 0], False: [0, 0]}  # uses the draft -> [draft tokens, target tokens]
+        drafted = {"edge": 0, "cluster": 0}  # where this step's accepted draft tokens were drafted
         for s in states:
             r = self._requests.get(s.req.request_id)
             if r is None:
@@ -418,10 +468,14 @@ class Router:
             counts = new[s.req.decode.uses_draft]
             counts[0] += s.stats.draft_tokens - r.seen[0]
             counts[1] += s.stats.target_tokens - r.seen[1]
+            drafted["edge" if r.edge else "cluster"] += s.stats.draft_tokens - r.seen[0]
             r.seen = (s.stats.draft_tokens, s.stats.target_tokens)
         for uses_draft, (d, t) in new.items():
             if d or t:
                 self._rates.add(d, t, uses_draft)
+        for where, n in drafted.items():
+            if n > 0:  # Counter.inc refuses 0
+                self._metrics.drafted.inc(n, tags={"where": where})
         self._metrics.filtered_fraction.set(self._rates.snapshot()["filtered_fraction"])
 
     # ---- worker calls ----------------------------------------------------------------

@@ -51,7 +51,9 @@ class TlsFront:
         handlers = {}
         for m in pb.DESCRIPTOR.services_by_name["Calid"].methods:
             path = f"/{SERVICE}/{m.name}"
-            if m.server_streaming:
+            if m.client_streaming and m.server_streaming:
+                handlers[m.name] = grpc.stream_stream_rpc_method_handler(self._bidi(path))
+            elif m.server_streaming:
                 handlers[m.name] = grpc.unary_stream_rpc_method_handler(self._streaming(path))
             else:
                 handlers[m.name] = grpc.unary_unary_rpc_method_handler(self._unary(path))
@@ -86,5 +88,19 @@ class TlsFront:
                 await context.abort(e.code(), e.details() or "")
             finally:
                 call.cancel()  # the client went away: so does the upstream call, and the request with it
+
+        return forward
+
+    def _bidi(self, path: str):
+        async def forward(requests, context):
+            call = self._channel.stream_stream(path)(requests, metadata=_metadata(context),
+                                                     timeout=context.time_remaining())
+            try:
+                async for message in call:
+                    yield message
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), e.details() or "")
+            finally:
+                call.cancel()
 
         return forward

@@ -23,6 +23,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="API key for a server that requires one (default: $CALID_API_KEY)")
     p.add_argument("--tls", nargs="?", const=True, default=False, metavar="CA_PEM",
                    help="connect over TLS (system roots, or the CA certificate file given)")
+    p.add_argument("--local-draft", default=None, metavar="MODEL",
+                   help="run the draft here (a preset such as qwen2.5-coder-0.5b-instruct, a .gguf, or self:N): "
+                        "modes filter and speculative (the default with it) then use Collaborate, and the server "
+                        "only filters and verifies")
     p.add_argument("--models", action="store_true", help="list the server's models and modes")
     p.add_argument("--health", action="store_true", help="print the server's health")
     p.set_defaults(func=cmd_client)
@@ -47,7 +51,8 @@ def _run(args) -> int:
     from calid.client import Client
     from calid.errors import CalidError
 
-    with Client(args.address, app=args.app, timeout=args.timeout, api_key=args.api_key, tls=args.tls) as c:
+    with Client(args.address, app=args.app, timeout=args.timeout, api_key=args.api_key, tls=args.tls,
+                local_draft=args.local_draft) as c:
         if args.health:
             h = c.health()
             print(f"serving={h.serving} active={h.active_requests} queued={h.queued_requests}/{h.queue_capacity}")
@@ -68,11 +73,12 @@ def _run(args) -> int:
             sys.stdout.flush()
             stats = chunk.stats or stats
         print(file=sys.stderr)
-        print(describe_stats(stats), file=sys.stderr)
+        print(describe_stats(stats, edge=bool(args.local_draft) and stats.get("mode") in ("filter", "speculative")),
+              file=sys.stderr)
     return 0
 
 
-def describe_stats(s: dict) -> str:
-    return (f"[{s.get('mode')}: {s.get('output_tokens')} tokens, {s.get('tokens_per_s', 0):.2f} tok/s, "
+def describe_stats(s: dict, edge: bool = False) -> str:
+    return (f"[{s.get('mode')}{' at the edge' if edge else ''}: {s.get('output_tokens')} tokens, {s.get('tokens_per_s', 0):.2f} tok/s, "
             f"first token {s.get('ttft_ms', 0):.0f} ms, from draft {s.get('filtered_fraction', 0):.0%}, "
             f"target calls {s.get('target_calls')}]")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from calid.client.errors import from_rpc_error, status_of
+from calid.client.errors import CalidAPIError, from_rpc_error, status_of
 from calid.v1 import calid_pb2 as pb
 from calid.v1 import calid_pb2_grpc as pb_grpc
 
@@ -66,6 +67,27 @@ def _chunk(c: pb.GenerateChunk) -> Chunk:
                  _stats(c.stats) if c.finish_reason else {})
 
 
+def _edge_chunk(reply: pb.CollaborateReply) -> Chunk | None:
+    """What the caller sees of a Collaborate reply (nothing of the opening one)."""
+    if reply.round == 0:
+        return None
+    return Chunk(reply.request_id, reply.text, list(reply.token_ids), reply.finish_reason,
+                 _stats(reply.stats) if reply.finish_reason else {})
+
+
+def _collect(chunks) -> Completion:
+    parts, ids, last = [], [], None
+    for last in chunks:
+        parts.append(last.text)
+        ids += last.token_ids
+    return Completion(last.request_id, "".join(parts), ids, last.finish_reason, last.stats)
+
+
+def _ended_early(request_id: str) -> CalidAPIError:
+    return CalidAPIError("the server ended the Collaborate call before its last reply", request_id,
+                         grpc.StatusCode.UNKNOWN)
+
+
 def _credentials(tls: bool | str) -> grpc.ChannelCredentials | None:
     """None for a plaintext channel; ``tls=True`` trusts the system roots, a path trusts that PEM file."""
     if not tls:
@@ -81,14 +103,40 @@ def _credentials(tls: bool | str) -> grpc.ChannelCredentials | None:
 
 class _Base:
     """``api_key`` (default: $CALID_API_KEY) goes out as ``authorization: Bearer <key>``; ``tls`` is False
-    (plaintext), True (TLS, system roots) or the path of a PEM CA certificate to trust."""
+    (plaintext), True (TLS, system roots) or the path of a PEM CA certificate to trust.
+
+    ``local_draft`` (a model spec, e.g. "qwen2.5-coder-0.5b-instruct", or "self:N" for the first N layers
+    of the server's target, or a calid.client.edge.LocalDraft to share one) runs the draft on this machine: requests in mode filter or speculative (the
+    default with a local draft) then go through Collaborate, and the server only filters and verifies.
+    Other modes are served as usual. ``draft_threads``: CPU threads of the local draft (default: all).
+    """
 
     def __init__(self, address: str = "127.0.0.1:50051", app: str = "calid", timeout: float | None = 600.0,
-                 retries: int = 3, backoff_s: float = 0.2, api_key: str | None = None, tls: bool | str = False):
+                 retries: int = 3, backoff_s: float = 0.2, api_key: str | None = None, tls: bool | str = False,
+                 local_draft=None, draft_threads: int | None = None):
         self.address, self.app = address, app
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
         self.api_key = api_key if api_key is not None else os.environ.get("CALID_API_KEY") or None
         self._creds = _credentials(tls)
+        self._local = None
+        if local_draft:
+            from calid.client.edge import LocalDraft
+
+            self._local = (local_draft if isinstance(local_draft, LocalDraft)
+                           else LocalDraft(local_draft, draft_threads))
+
+    def _at_edge(self, kw: dict) -> bool:
+        """Whether this request is drafted here (fills in the mode a local draft defaults to)."""
+        if self._local is None:
+            return False
+        from calid.edge import EDGE_MODES
+
+        kw["mode"] = kw.get("mode") or "speculative"
+        return kw["mode"] in EDGE_MODES
+
+    @staticmethod
+    def _target_of(models: pb.ListModelsResponse) -> str:
+        return next(m.name for m in models.models if m.role == "target")
 
     def _metadata(self, request_id: str | None = None) -> tuple:
         md = (("application", self.app),)
@@ -134,10 +182,15 @@ class Client(_Base):
                 time.sleep(self._backoff(e, attempt, request_id))
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
+        if self._at_edge(kw):
+            return _collect(self._collaborate(build_request(prompt, **kw), timeout))
         msg = build_request(prompt, **kw)
         return _completion(self._unary(self._stub.Generate, msg, timeout, msg.request_id))
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
+        if self._at_edge(kw):
+            yield from self._collaborate(build_request(prompt, **kw), timeout)
+            return
         msg = build_request(prompt, **kw)
         for attempt in range(self.retries + 1):
             call = self._stub.GenerateStream(msg, **self._call_args(timeout, msg.request_id))
@@ -154,6 +207,35 @@ class Client(_Base):
                 call.cancel()  # a consumer that stops early tells the server to free the request...
                 if not (finished or ended):
                     self._cancel(msg.request_id)  # ...and says so in a call of its own (README: Faults)
+
+    def _collaborate(self, msg: pb.GenerateRequest, timeout: float | None) -> Iterator[Chunk]:
+        """Drive Collaborate with the local draft; retried like a stream, only before the first reply."""
+        from calid.client.edge import EdgeSession
+
+        name = self._target_of(self.list_models()) if self._local.needs_target_name else None
+        drafter = self._local.drafter(name)
+        for attempt in range(self.retries + 1):
+            session, outbox = EdgeSession(self._local, drafter, msg), queue.SimpleQueue()
+            outbox.put(session.opening())
+            call = self._stub.Collaborate(iter(outbox.get, None), **self._call_args(timeout, msg.request_id))
+            started = False
+            try:
+                for reply in call:
+                    started = True
+                    chunk = _edge_chunk(reply)
+                    if chunk is not None:
+                        yield chunk
+                    following = session.advance(reply)
+                    if following is None:
+                        return
+                    outbox.put(following)
+                raise _ended_early(msg.request_id)
+            except grpc.RpcError as e:
+                time.sleep(self._backoff(e, attempt, msg.request_id, started))
+            finally:
+                outbox.put(None)  # ends the request stream
+                call.cancel()
+                session.close()
 
     def _cancel(self, request_id: str) -> None:
         try:
@@ -197,10 +279,16 @@ class AsyncClient(_Base):
                 await asyncio.sleep(self._backoff(e, attempt, request_id))
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
+        if self._at_edge(kw):
+            return _collect([c async for c in self._collaborate(build_request(prompt, **kw), timeout)])
         msg = build_request(prompt, **kw)
         return _completion(await self._unary(self._stub.Generate, msg, timeout, msg.request_id))
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[Chunk]:
+        if self._at_edge(kw):
+            async for chunk in self._collaborate(build_request(prompt, **kw), timeout):
+                yield chunk
+            return
         msg = build_request(prompt, **kw)
         for attempt in range(self.retries + 1):
             call = self._stub.GenerateStream(msg, **self._call_args(timeout, msg.request_id))
@@ -219,6 +307,35 @@ class AsyncClient(_Base):
                     task = asyncio.ensure_future(self._cancel(msg.request_id))
                     self._cancels.add(task)
                     task.add_done_callback(self._cancels.discard)
+
+    async def _collaborate(self, msg: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[Chunk]:
+        """As Client._collaborate; the local draft runs on a worker thread, off the event loop."""
+        from calid.client.edge import EdgeSession
+
+        loop = asyncio.get_running_loop()
+        name = self._target_of(await self.list_models()) if self._local.needs_target_name else None
+        drafter = await loop.run_in_executor(None, self._local.drafter, name)
+        for attempt in range(self.retries + 1):
+            session = EdgeSession(self._local, drafter, msg)
+            call = self._stub.Collaborate(**self._call_args(timeout, msg.request_id))
+            started = False
+            try:
+                await call.write(session.opening())
+                while (reply := await call.read()) is not grpc.aio.EOF:
+                    started = True
+                    chunk = _edge_chunk(reply)
+                    if chunk is not None:
+                        yield chunk
+                    following = await loop.run_in_executor(None, session.advance, reply)
+                    if following is None:
+                        return
+                    await call.write(following)
+                raise _ended_early(msg.request_id)
+            except grpc.RpcError as e:
+                await asyncio.sleep(self._backoff(e, attempt, msg.request_id, started))
+            finally:
+                call.cancel()
+                session.close()
 
     async def _cancel(self, request_id: str) -> None:
         try:

@@ -24,37 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63\x61lid/v1/calid.proto\x12\x08\x63\x61lid.v1\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x98\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\'\n\x08messages\x18\x03 \x03(\x0b\x32\x15.calid.v1.ChatMessage\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04mode\x18\x0c \x01(\t\x12\x16\n\tthreshold\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05gamma\x18\x0e \x01(\rH\x06\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0c\n\n_thresholdB\x08\n\x06_gamma\"\x90\x02\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x15\n\rtarget_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x66iltered_fraction\x18\x05 \x01(\x01\x12\x14\n\x0ctarget_calls\x18\x06 \x01(\r\x12\x16\n\x0e\x64raft_forwards\x18\x07 \x01(\r\x12\x15\n\rmean_accepted\x18\x08 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x0c\n\x04mode\x18\x0c \x01(\t\"\x85\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.calid.v1.RequestStats\"\x82\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.calid.v1.RequestStats\"\x0f\n\rHealthRequest\"k\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x04 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0cmax_position\x18\x04 \x01(\r\"^\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.calid.v1.ModelInfo\x12\r\n\x05modes\x18\x02 \x03(\t\x12\x14\n\x0c\x64\x65\x66\x61ult_mode\x18\x03 \x01(\t2\xd5\x02\n\x05\x43\x61lid\x12\x41\n\x08Generate\x12\x19.calid.v1.GenerateRequest\x1a\x1a.calid.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.calid.v1.GenerateRequest\x1a\x17.calid.v1.GenerateChunk0\x01\x12;\n\x06Health\x12\x17.calid.v1.HealthRequest\x1a\x18.calid.v1.HealthResponse\x12G\n\nListModels\x12\x1b.calid.v1.ListModelsRequest\x1a\x1c.calid.v1.ListModelsResponse\x12;\n\x06\x43\x61ncel\x12\x17.calid.v1.CancelRequest\x1a\x18.calid.v1.CancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x63\x61lid/v1/calid.proto\x12\x08\x63\x61lid.v1\"n\n\x12\x43ollaborateRequest\x12)\n\x04open\x18\x01 \x01(\x0b\x32\x19.calid.v1.GenerateRequestH\x00\x12%\n\x05round\x18\x02 \x01(\x0b\x32\x14.calid.v1.DraftRoundH\x00\x42\x06\n\x04kind\"b\n\nDraftRound\x12\r\n\x05round\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x12\n\nconfidence\x18\x03 \x03(\x02\x12!\n\x04rows\x18\x04 \x03(\x0b\x32\x13.calid.v1.SparseRow\"\'\n\tSparseRow\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xe0\x01\n\x10\x43ollaborateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\r\x12\x12\n\nprompt_ids\x18\x03 \x03(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x11\n\tmax_draft\x18\x07 \x01(\r\x12\x11\n\tthreshold\x18\x08 \x01(\x02\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12%\n\x05stats\x18\n \x01(\x0b\x32\x16.calid.v1.RequestStats\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x98\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\'\n\x08messages\x18\x03 \x03(\x0b\x32\x15.calid.v1.ChatMessage\x12\x12\n\nraw_prompt\x18\x04 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04mode\x18\x0c \x01(\t\x12\x16\n\tthreshold\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05gamma\x18\x0e \x01(\rH\x06\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0c\n\n_thresholdB\x08\n\x06_gamma\"\x90\x02\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x15\n\rtarget_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x66iltered_fraction\x18\x05 \x01(\x01\x12\x14\n\x0ctarget_calls\x18\x06 \x01(\r\x12\x16\n\x0e\x64raft_forwards\x18\x07 \x01(\r\x12\x15\n\rmean_accepted\x18\x08 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x0c\n\x04mode\x18\x0c \x01(\t\"\x85\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.calid.v1.RequestStats\"\x82\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.calid.v1.RequestStats\"\x0f\n\rHealthRequest\"k\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x04 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0cmax_position\x18\x04 \x01(\r\"^\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.calid.v1.ModelInfo\x12\r\n\x05modes\x18\x02 \x03(\t\x12\x14\n\x0c\x64\x65\x66\x61ult_mode\x18\x03 \x01(\t2\xa2\x03\n\x05\x43\x61lid\x12\x41\n\x08Generate\x12\x19.calid.v1.GenerateRequest\x1a\x1a.calid.v1.GenerateResponse\x12\x46\n\x0eGenerateStream\x12\x19.calid.v1.GenerateRequest\x1a\x17.calid.v1.GenerateChunk0\x01\x12;\n\x06Health\x12\x17.calid.v1.HealthRequest\x1a\x18.calid.v1.HealthResponse\x12G\n\nListModels\x12\x1b.calid.v1.ListModelsRequest\x1a\x1c.calid.v1.ListModelsResponse\x12;\n\x06\x43\x61ncel\x12\x17.calid.v1.CancelRequest\x1a\x18.calid.v1.CancelResponse\x12K\n\x0b\x43ollaborate\x12\x1c.calid.v1.CollaborateRequest\x1a\x1a.calid.v1.CollaborateReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'calid.v1.calid_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CANCELREQUEST']._serialized_start=34
-  _globals['_CANCELREQUEST']._serialized_end=69
-  _globals['_CANCELRESPONSE']._serialized_start=71
-  _globals['_CANCELRESPONSE']._serialized_end=106
-  _globals['_CHATMESSAGE']._serialized_start=108
-  _globals['_CHATMESSAGE']._serialized_end=152
-  _globals['_GENERATEREQUEST']._serialized_start=155
-  _globals['_GENERATEREQUEST']._serialized_end=563
-  _globals['_REQUESTSTATS']._serialized_start=566
-  _globals['_REQUESTSTATS']._serialized_end=838
-  _globals['_GENERATERESPONSE']._serialized_start=841
-  _globals['_GENERATERESPONSE']._serialized_end=974
-  _globals['_GENERATECHUNK']._serialized_start=977
-  _globals['_GENERATECHUNK']._serialized_end=1107
-  _globals['_HEALTHREQUEST']._serialized_start=1109
-  _globals['_HEALTHREQUEST']._serialized_end=1124
-  _globals['_HEALTHRESPONSE']._serialized_start=1126
-  _globals['_HEALTHRESPONSE']._serialized_end=1233
-  _globals['_LISTMODELSREQUEST']._serialized_start=1235
-  _globals['_LISTMODELSREQUEST']._serialized_end=1254
-  _globals['_MODELINFO']._serialized_start=1256
-  _globals['_MODELINFO']._serialized_end=1337
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1339
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1433
-  _globals['_CALID']._serialized_start=1436
-  _globals['_CALID']._serialized_end=1777
+  _globals['_COLLABORATEREQUEST']._serialized_start=34
+  _globals['_COLLABORATEREQUEST']._serialized_end=144
+  _globals['_DRAFTROUND']._serialized_start=146
+  _globals['_DRAFTROUND']._serialized_end=244
+  _globals['_SPARSEROW']._serialized_start=246
+  _globals['_SPARSEROW']._serialized_end=285
+  _globals['_COLLABORATEREPLY']._serialized_start=288
+  _globals['_COLLABORATEREPLY']._serialized_end=512
+  _globals['_CANCELREQUEST']._serialized_start=514
+  _globals['_CANCELREQUEST']._serialized_end=549
+  _globals['_CANCELRESPONSE']._serialized_start=551
+  _globals['_CANCELRESPONSE']._serialized_end=586
+  _globals['_CHATMESSAGE']._serialized_start=588
+  _globals['_CHATMESSAGE']._serialized_end=632
+  _globals['_GENERATEREQUEST']._serialized_start=635
+  _globals['_GENERATEREQUEST']._serialized_end=1043
+  _globals['_REQUESTSTATS']._serialized_start=1046
+  _globals['_REQUESTSTATS']._serialized_end=1318
+  _globals['_GENERATERESPONSE']._serialized_start=1321
+  _globals['_GENERATERESPONSE']._serialized_end=1454
+  _globals['_GENERATECHUNK']._serialized_start=1457
+  _globals['_GENERATECHUNK']._serialized_end=1587
+  _globals['_HEALTHREQUEST']._serialized_start=1589
+  _globals['_HEALTHREQUEST']._serialized_end=1604
+  _globals['_HEALTHRESPONSE']._serialized_start=1606
+  _globals['_HEALTHRESPONSE']._serialized_end=1713
+  _globals['_LISTMODELSREQUEST']._serialized_start=1715
+  _globals['_LISTMODELSREQUEST']._serialized_end=1734
+  _globals['_MODELINFO']._serialized_start=1736
+  _globals['_MODELINFO']._serialized_end=1817
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1819
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1913
+  _globals['_CALID']._serialized_start=1916
+  _globals['_CALID']._serialized_end=2334
 # @@protoc_insertion_point(module_scope)

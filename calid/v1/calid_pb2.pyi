@@ -6,6 +6,58 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CollaborateRequest(_message.Message):
+    __slots__ = ("open", "round")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    open: GenerateRequest
+    round: DraftRound
+    def __init__(self, open: _Optional[_Union[GenerateRequest, _Mapping]] = ..., round: _Optional[_Union[DraftRound, _Mapping]] = ...) -> None: ...
+
+class DraftRound(_message.Message):
+    __slots__ = ("round", "tokens", "confidence", "rows")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    confidence: _containers.RepeatedScalarFieldContainer[float]
+    rows: _containers.RepeatedCompositeFieldContainer[SparseRow]
+    def __init__(self, round: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., confidence: _Optional[_Iterable[float]] = ..., rows: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ...) -> None: ...
+
+class SparseRow(_message.Message):
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class CollaborateReply(_message.Message):
+    __slots__ = ("request_id", "round", "prompt_ids", "accepted", "token_ids", "text", "max_draft", "threshold", "finish_reason", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    round: int
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    accepted: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    max_draft: int
+    threshold: float
+    finish_reason: str
+    stats: RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., round: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., max_draft: _Optional[int] = ..., threshold: _Optional[float] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class CalidStub:
                 request_serializer=calid_dot_v1_dot_calid__pb2.CancelRequest.SerializeToString,
                 response_deserializer=calid_dot_v1_dot_calid__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Collaborate = channel.stream_stream(
+                '/calid.v1.Calid/Collaborate',
+                request_serializer=calid_dot_v1_dot_calid__pb2.CollaborateRequest.SerializeToString,
+                response_deserializer=calid_dot_v1_dot_calid__pb2.CollaborateReply.FromString,
+                _registered_method=True)
 
 
 class CalidServicer:
@@ -100,6 +105,33 @@ class CalidServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Collaborate(self, request_iterator, context):
+        """Collaborative edge drafting: the client runs the draft model; the server filters and verifies
+        its drafts with the target, so the cluster spends no draft work on the request.
+        1. The client sends `open` (a GenerateRequest, mode filter or speculative). The server answers
+        with round 0: the prompt's token ids (after the chat template), the threshold in force and
+        max_draft, the most draft tokens the next round may carry.
+        2. Round k (k = 1, 2, ...): the client drafts after prompt_ids + every token_ids the server has
+        sent so far and sends them as `round` k. The server answers with round k: the tokens it
+        appended, of which the first `accepted` are the client's and the rest (at most one) the
+        target's. The client keeps exactly those ids (rolling its KV cache back past the rest of
+        its draft) and drafts again. An empty round asks the target for the next token.
+        3. The reply with finish_reason set is the last; the server then ends the call.
+        filter: a draft token is accepted at once, with no target call, when its confidence is at or
+        above the threshold (early acceptance); the first one below it is replaced by the target's
+        token. The server trusts the client's confidences: a client that lies only changes its own text.
+        speculative: the target verifies every draft token (lossless: greedy output is the target's,
+        sampled output follows the target's distribution). A sampled request sends, per token, the
+        distribution the token was drawn from (DraftRound.rows).
+        Errors end the call and free the request: INVALID_ARGUMENT for a malformed message (a token
+        outside the vocabulary, more tokens than max_draft, a missing/NaN/out-of-range confidence, rows
+        that are not a distribution holding their token, a round number out of order), DEADLINE_EXCEEDED
+        when a round does not come within the server's edge_round_timeout_s, and the codes of Generate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CalidServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +159,11 @@ def add_CalidServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=calid_dot_v1_dot_calid__pb2.CancelRequest.FromString,
                     response_serializer=calid_dot_v1_dot_calid__pb2.CancelResponse.SerializeToString,
+            ),
+            'Collaborate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Collaborate,
+                    request_deserializer=calid_dot_v1_dot_calid__pb2.CollaborateRequest.FromString,
+                    response_serializer=calid_dot_v1_dot_calid__pb2.CollaborateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +301,33 @@ class Calid:
             '/calid.v1.Calid/Cancel',
             calid_dot_v1_dot_calid__pb2.CancelRequest.SerializeToString,
             calid_dot_v1_dot_calid__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Collaborate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/calid.v1.Calid/Collaborate',
+            calid_dot_v1_dot_calid__pb2.CollaborateRequest.SerializeToString,
+            calid_dot_v1_dot_calid__pb2.CollaborateReply.FromString,
             options,
             channel_credentials,
             insecure,

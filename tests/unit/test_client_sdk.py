@@ -13,6 +13,9 @@ from calid.v1 import calid_pb2 as pb
 from calid.v1 import calid_pb2_grpc as pb_grpc
 
 
+EDGE_PROMPT = [5, 17, 3]
+
+
 class _Servicer(pb_grpc.CalidServicer):
     def __init__(self):
         self.failures_left = 0
@@ -43,6 +46,33 @@ class _Servicer(pb_grpc.CalidServicer):
             yield pb.GenerateChunk(request_id=request.request_id, text=word, token_ids=[i])
         yield pb.GenerateChunk(request_id=request.request_id, finish_reason="eos",
                                stats=pb.RequestStats(output_tokens=len(request.prompt.split())))
+
+    def Collaborate(self, requests, context):
+        """A scripted gateway: keeps the first draft token of every round and adds token 42; a prompt
+        "bad" gets INVALID_ARGUMENT at round 1."""
+        self.calls += 1
+        self.metadata.append(dict(context.invocation_metadata()))
+        if self.failures_left:
+            self.failures_left -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no replica")
+        msg = next(requests).open
+        self.rounds = []
+        yield pb.CollaborateReply(request_id=msg.request_id, round=0, prompt_ids=EDGE_PROMPT, max_draft=3,
+                                  threshold=0.5)
+        produced = 0
+        for m in requests:
+            self.rounds.append(m.round)
+            if msg.prompt == "bad":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "round 1: draft token 7 is outside the vocabulary")
+            keep = list(m.round.tokens[:1]) + [42]
+            produced += len(keep)
+            done = produced >= msg.max_new_tokens
+            yield pb.CollaborateReply(request_id=msg.request_id, round=m.round.round, accepted=len(keep) - 1,
+                                      token_ids=keep, text=" ".join(map(str, keep)) + " ", max_draft=3,
+                                      finish_reason="length" if done else "",
+                                      stats=pb.RequestStats(output_tokens=produced) if done else None)
+            if done:
+                return
 
     def Cancel(self, request, context):
         self.cancelled.append(request.request_id)
@@ -198,3 +228,80 @@ def test_a_stream_closed_early_is_cancelled_by_a_call_of_its_own(server):
 
     asyncio.run(main())
     assert servicer.cancelled == ["early", "early-async"]  # a stream read to its end sends none
+
+
+# ---- collaborative edge drafting: the SDK drives Collaborate with a local draft -----------------
+
+
+@pytest.fixture()
+def local_draft(tiny_model):
+    from calid.client.edge import LocalDraft
+    from calid.edge import EdgeDrafter
+    from calid.runtime.runner import ModelRunner
+
+    return LocalDraft("tiny", drafter=EdgeDrafter(ModelRunner(tiny_model), frozenset()))
+
+
+def _greedy(model, ids, n):
+    from calid.runtime.runner import ModelRunner, SeqInput
+
+    runner, ids = ModelRunner(model), list(ids)
+    for _ in range(n):
+        ids.append(int(runner.forward([SeqInput("g", runner.sync("g", ids))])[0][-1].argmax()))
+    return ids[-n:]
+
+
+def _check_rounds(servicer, tiny_model):
+    """Every round is numbered in order, within max_draft, and drafted after exactly the ids the server
+    kept (the client rolled back the rest of its previous draft)."""
+    kept = list(EDGE_PROMPT)
+    for k, r in enumerate(servicer.rounds, start=1):
+        assert r.round == k and 1 <= len(r.tokens) <= 3 and len(r.confidence) == len(r.tokens)
+        assert list(r.tokens) == _greedy(tiny_model, kept, len(r.tokens))
+        kept += [r.tokens[0], 42]
+
+
+def test_a_local_draft_drives_collaborate(server, local_draft, tiny_model):
+    servicer, address = server
+    servicer.failures_left = 1  # UNAVAILABLE before the first reply: retried
+    with Client(address, local_draft=local_draft, backoff_s=0.01) as c:
+        out = c.generate("hi", mode="filter", max_new_tokens=6)
+    assert servicer.calls == 2 and len(servicer.rounds) == 3 and out.finish_reason == "length"
+    assert out.token_ids[1::2] == [42, 42, 42] and out.stats["output_tokens"] == 6
+    assert out.text == " ".join(map(str, out.token_ids)) + " "
+    _check_rounds(servicer, tiny_model)
+    assert local_draft.drafter().runner.cached_count() == 0  # the local cache is freed after the call
+
+
+def test_an_async_local_draft_drives_collaborate_and_errors_are_typed(server, local_draft, tiny_model):
+    servicer, address = server
+
+    async def main():
+        async with AsyncClient(address, local_draft=local_draft, retries=0) as c:
+            chunks = [ch async for ch in c.stream("hi", max_new_tokens=4)]  # speculative by default
+            with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+                await c.generate("bad", mode="filter", max_new_tokens=4)
+            plain = await c.generate("upper", mode="ar")  # not an edge mode: the usual Generate
+        return chunks, plain
+
+    chunks, plain = asyncio.run(main())
+    assert [t for ch in chunks for t in ch.token_ids][1::2] == [42, 42] and chunks[-1].finish_reason == "length"
+    assert plain.text == "UPPER"
+    assert local_draft.drafter().runner.cached_count() == 0
+
+
+def test_tls_front_forwards_collaborate(server, self_signed, local_draft):
+    from serve_app.tls_front import TlsFront
+
+    servicer, upstream = server
+    cert, key = self_signed
+    front = TlsFront("localhost:0", upstream, str(cert), str(key))
+    port = front.start()
+    try:
+        with Client(f"localhost:{port}", tls=str(cert), api_key="k-2", retries=0, local_draft=local_draft) as c:
+            out = c.generate("hi", mode="speculative", max_new_tokens=4)
+            with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+                c.generate("bad", mode="filter", max_new_tokens=4)
+        assert out.token_ids[1::2] == [42, 42] and servicer.metadata[0]["authorization"] == "Bearer k-2"
+    finally:
+        front.stop()

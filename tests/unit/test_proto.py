@@ -23,6 +23,8 @@ def test_service_has_the_promised_methods():
     from calid.v1 import calid_pb2 as pb
 
     methods = {m.name for m in pb.DESCRIPTOR.services_by_name["Calid"].methods}
-    assert methods == {"Generate", "GenerateStream", "Health", "ListModels", "Cancel"}
+    assert methods == {"Generate", "GenerateStream", "Health", "ListModels", "Cancel", "Collaborate"}
     stream = pb.DESCRIPTOR.services_by_name["Calid"].methods_by_name["GenerateStream"]
     assert stream.server_streaming and not stream.client_streaming
+    bidi = pb.DESCRIPTOR.services_by_name["Calid"].methods_by_name["Collaborate"]
+    assert bidi.server_streaming and bidi.client_streaming
