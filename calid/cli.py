@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_dtype.add_parser(bsub)
     _server_cli_module("serve_app.bench").add_parser(bsub)
     _server_cli_module("serve_app.hostile").add_parser(bsub)
+    _server_cli_module("serve_app.edge_bench").add_parser(bsub)
     return parser
 
 

@@ -116,33 +116,40 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1] if lines else ''}"
 
 
+EDGE = "@edge"  # a demo mode with this suffix drafts in the demo's own process (Collaborate)
 DEMO_REQUESTS = [
     ("ar", "Write a Python function that returns the n-th Fibonacci number."),
     ("speculative", "Write a Python function that returns the n-th Fibonacci number."),
     ("filter", "Explain in two sentences what a KV cache is in a transformer."),
     ("lookahead", "Rewrite this sentence in plural: The cat sat on the mat and the cat slept."),
     ("tree", "List three uses of a hash map."),
+    ("speculative" + EDGE, "Write a Python function that checks whether a string is a palindrome."),
 ]
 
 
-async def _demo_requests(address: str, app: str, max_new_tokens: int) -> list[tuple[str, str, dict]]:
+async def _demo_requests(address: str, app: str, max_new_tokens: int, local_draft: str | None
+                         ) -> list[tuple[str, str, dict]]:
     from calid.client import AsyncClient
 
-    async def one(c, i, mode, prompt):
+    async def one(c, i, label, prompt):
+        mode = label.removesuffix(EDGE)
         text, line, stats = [], "", {}
         async for chunk in c.stream(prompt, mode=mode, max_new_tokens=max_new_tokens):
             text.append(chunk.text)
             line += chunk.text
             while "\n" in line:
                 head, line = line.split("\n", 1)
-                print(f"  [{i}:{mode:11}] {head}", flush=True)
+                print(f"  [{i}:{label:16}] {head}", flush=True)
             stats = chunk.stats or stats
         if line:
-            print(f"  [{i}:{mode:11}] {line}", flush=True)
-        return mode, "".join(text), stats
+            print(f"  [{i}:{label:16}] {line}", flush=True)
+        return label, "".join(text), stats
 
-    async with AsyncClient(address, app=app, timeout=1800) as c:
-        return await asyncio.gather(*[one(c, i, m, p) for i, (m, p) in enumerate(DEMO_REQUESTS)])
+    requests = [(m, p) for m, p in DEMO_REQUESTS if local_draft or not m.endswith(EDGE)]
+    async with AsyncClient(address, app=app, timeout=1800) as c, \
+            AsyncClient(address, app=app, timeout=1800, local_draft=local_draft) as edge:
+        return await asyncio.gather(*[one(edge if m.endswith(EDGE) else c, i, m, p)
+                                      for i, (m, p) in enumerate(requests)])
 
 
 def cmd_demo(args) -> int:
@@ -156,15 +163,17 @@ def cmd_demo(args) -> int:
         url = serve_app(cfg, dashboard=not args.no_dashboard)
         print(f"[demo] ready in {time.perf_counter() - start:.0f} s: gRPC 127.0.0.1:{cfg.grpc_port}"
               + (f", Ray dashboard {url}" if url else ""), flush=True)
-        print(f"[demo] {len(DEMO_REQUESTS)} concurrent streams through the SDK, one per mode:", flush=True)
+        edge = f"; {'speculative' + EDGE} drafts here, with a local {cfg.draft} (Collaborate)" if cfg.draft else ""
+        print(f"[demo] concurrent streams through the SDK, one per mode{edge}:", flush=True)
         t0 = time.perf_counter()
-        results = asyncio.run(_demo_requests(f"127.0.0.1:{cfg.grpc_port}", cfg.app_name, args.max_new_tokens))
+        results = asyncio.run(_demo_requests(f"127.0.0.1:{cfg.grpc_port}", cfg.app_name, args.max_new_tokens,
+                                             cfg.draft))
         wall = time.perf_counter() - t0
         print(f"\n[demo] per-request stats ({wall:.1f} s wall for all {len(results)} together):")
-        print(f"  {'mode':12} {'tokens':>6} {'tok/s':>6} {'TTFT ms':>8} {'from draft':>10} {'target calls':>12} "
+        print(f"  {'mode':16} {'tokens':>6} {'tok/s':>6} {'TTFT ms':>8} {'from draft':>10} {'target calls':>12} "
               f"{'mean accepted':>13}")
         for mode, _, s in results:
-            print(f"  {mode:12} {s.get('output_tokens', 0):>6} {s.get('tokens_per_s', 0):>6.2f} "
+            print(f"  {mode:16} {s.get('output_tokens', 0):>6} {s.get('tokens_per_s', 0):>6.2f} "
                   f"{s.get('ttft_ms', 0):>8.0f} {s.get('filtered_fraction', 0):>10.0%} {s.get('target_calls', 0):>12} "
                   f"{s.get('mean_accepted', 0):>13.2f}")
         if url:

@@ -24,7 +24,7 @@ _TIMEOUT = object()
 
 
 async def collaborate(router, stream, grpc_context):
-    from serve_app.router import RequestRefused, _Failure, _RoundEnd  # the router imports this module
+    from serve_app.router import RequestRefused  # the router imports this module
 
     def refuse(code: grpc.StatusCode, message: str, mode: str = "default"):
         router._refuse(grpc_context, mode, code, message)
@@ -47,9 +47,17 @@ async def collaborate(router, stream, grpc_context):
         raise RequestRefused(grpc_context.details() if grpc_context is not None else "refused")
     req, mode = r.req, r.req.decode.mode
     try:
-        max_draft, produced, kept = router.orch.round_budget(req), 0, 0
-        yield pb.CollaborateReply(request_id=r.client_id, round=0, prompt_ids=req.prompt_ids, max_draft=max_draft,
-                                  threshold=req.decode.threshold)
+        opening = pb.CollaborateReply(request_id=r.client_id, round=0, prompt_ids=req.prompt_ids,
+                                      threshold=req.decode.threshold)
+        if mode == "speculative":  # the target's first token comes at once, as without a draft (TTFT)
+            r.round = EdgeRound([])
+            router._wake.set()
+            if await _collect(router, r, opening, 0, refuse):
+                yield opening
+                return
+        produced, kept = len(opening.token_ids), 0
+        opening.max_draft = max_draft = router.orch.round_budget(req, produced)
+        yield opening
         for number in itertools.count(1):
             wait = min(router.cfg.edge_round_timeout_s, r.deadline - time.monotonic())
             m = await _receive(stream, max(0.0, wait))
@@ -68,20 +76,9 @@ async def collaborate(router, stream, grpc_context):
             r.round = draft
             router._wake.set()
             reply = pb.CollaborateReply(request_id=r.client_id, round=number)
-            async for item in router._events(r):
-                if isinstance(item, _Failure):
-                    raise refuse(item.code, item.message, mode)
-                if isinstance(item, _RoundEnd):
-                    reply.accepted = item.accepted
-                    continue
-                reply.text += item.text
-                reply.token_ids.extend(item.token_ids)
-                if item.result is not None:
-                    reply.accepted = item.result.stats.draft_tokens - kept
-                    reply.finish_reason = item.result.finish_reason
-                    reply.stats.CopyFrom(protocol.stats(item.result, mode))
-                    yield reply
-                    return
+            if await _collect(router, r, reply, kept, refuse):
+                yield reply
+                return
             kept += reply.accepted
             produced += len(reply.token_ids)
             reply.max_draft = max_draft = router.orch.round_budget(req, produced)
@@ -89,6 +86,27 @@ async def collaborate(router, stream, grpc_context):
     finally:
         r.round = None
         router._close(r)
+
+
+async def _collect(router, r, reply: pb.CollaborateReply, kept: int, refuse) -> bool:
+    """Fill ``reply`` with what the step loop made of ``r``'s round; True when the request finished
+    (``kept``: draft tokens accepted in earlier rounds). A failure raises, with the status set."""
+    from serve_app.router import _Failure, _RoundEnd
+
+    async for item in router._events(r):
+        if isinstance(item, _Failure):
+            raise refuse(item.code, item.message, r.mode)
+        if isinstance(item, _RoundEnd):
+            reply.accepted = item.accepted
+            continue
+        reply.text += item.text
+        reply.token_ids.extend(item.token_ids)
+        if item.result is not None:
+            reply.accepted = item.result.stats.draft_tokens - kept
+            reply.finish_reason = item.result.finish_reason
+            reply.stats.CopyFrom(protocol.stats(item.result, r.mode))
+            return True
+    return False
 
 
 async def _receive(stream, timeout_s: float):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from calid.v1 import calid_pb2 as pb
 
@@ -23,6 +24,7 @@ class LocalDraft:
         self.spec, self.threads = spec, threads
         self._drafter = drafter  # an EdgeDrafter already loaded (tests, benchmarks)
         self._lock = threading.Lock()  # one forward at a time: a runner is not thread-safe
+        self.draft_s = 0.0  # seconds spent drafting so far, all calls together
 
     @property
     def needs_target_name(self) -> bool:
@@ -41,7 +43,11 @@ class LocalDraft:
 
     def draft(self, drafter, *args, **kw):
         with self._lock:
-            return drafter.draft(*args, **kw)
+            start = time.perf_counter()
+            try:
+                return drafter.draft(*args, **kw)
+            finally:
+                self.draft_s += time.perf_counter() - start
 
     def release(self, drafter, request_id: str) -> None:
         with self._lock:
@@ -70,8 +76,7 @@ class EdgeSession:
         prefix match) and draft the next round."""
         if reply.round == 0:
             self.ids, self.threshold = list(reply.prompt_ids), reply.threshold
-        else:
-            self.ids += reply.token_ids
+        self.ids += reply.token_ids
         if reply.finish_reason:
             return None
         d = self.local.draft(self.drafter, self.msg.request_id, self.ids, mode=self.msg.mode,

@@ -68,8 +68,8 @@ def _chunk(c: pb.GenerateChunk) -> Chunk:
 
 
 def _edge_chunk(reply: pb.CollaborateReply) -> Chunk | None:
-    """What the caller sees of a Collaborate reply (nothing of the opening one)."""
-    if reply.round == 0:
+    """What the caller sees of a Collaborate reply (nothing of an opening one without tokens)."""
+    if reply.round == 0 and not reply.token_ids and not reply.finish_reason:
         return None
     return Chunk(reply.request_id, reply.text, list(reply.token_ids), reply.finish_reason,
                  _stats(reply.stats) if reply.finish_reason else {})

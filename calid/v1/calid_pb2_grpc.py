@@ -110,7 +110,8 @@ class CalidServicer:
         its drafts with the target, so the cluster spends no draft work on the request.
         1. The client sends `open` (a GenerateRequest, mode filter or speculative). The server answers
         with round 0: the prompt's token ids (after the chat template), the threshold in force and
-        max_draft, the most draft tokens the next round may carry.
+        max_draft, the most draft tokens the next round may carry; in speculative mode it also holds
+        the target's first token (token_ids), so the first token comes as fast as without a draft.
         2. Round k (k = 1, 2, ...): the client drafts after prompt_ids + every token_ids the server has
         sent so far and sends them as `round` k. The server answers with round k: the tokens it
         appended, of which the first `accepted` are the client's and the rest (at most one) the

@@ -271,3 +271,36 @@ def test_the_server_trusts_confidences_but_caps_what_a_client_gets(gateway):
     assert ids == [7] * N and replies[-1].finish_reason == "length"
     assert replies[-1].stats.target_calls == 0 and [r.max_draft for r in replies] == [8, 8, 8, 0]
     assert idle
+
+
+def test_a_stalled_client_holds_up_no_one_else(gateway):
+    """A collaborating request waits for its client outside the step loop: others decode meanwhile."""
+    from serve_app.router import RequestRefused
+
+    router, target = gateway(edge_round_timeout_s=600)
+
+    async def stalled(stream):
+        ctx, replies = GrpcContext(), []
+        try:
+            async for reply in router.Collaborate(stream, ctx):
+                replies.append(reply)
+        except RequestRefused:
+            pass
+        return ctx, replies
+
+    async def go():
+        stream = _Stream()
+        stream.send(_open("speculative"))
+        waiting = asyncio.ensure_future(stalled(stream))
+        while not router.orch.active:  # admitted; its opening round (the target's first token) runs
+            await asyncio.sleep(0.01)
+        served = await _ar(router, PROMPTS[0])
+        still_waiting = not waiting.done()
+        stream.close()  # the stalled client finally hangs up
+        ctx, replies = await waiting
+        return served, still_waiting, ctx, replies, await _settled(router, target)
+
+    served, still_waiting, ctx, replies, idle = asyncio.run(go())
+    assert len(served) == N and still_waiting
+    assert ctx.code is None and len(replies) == 1 and len(replies[0].token_ids) == 1  # the target's first token
+    assert idle
