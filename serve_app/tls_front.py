@@ -52,9 +52,11 @@ class TlsFront:
         for m in pb.DESCRIPTOR.services_by_name["Calid"].methods:
             path = f"/{SERVICE}/{m.name}"
             if m.client_streaming and m.server_streaming:
-                handlers[m.name] = grpc.stream_stream_rpc_method_handler(self._bidi(path))
+                handlers[m.name] = grpc.stream_stream_rpc_method_handler(
+                    self._streaming(self._channel.stream_stream(path)))
             elif m.server_streaming:
-                handlers[m.name] = grpc.unary_stream_rpc_method_handler(self._streaming(path))
+                handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                    self._streaming(self._channel.unary_stream(path)))
             else:
                 handlers[m.name] = grpc.unary_unary_rpc_method_handler(self._unary(path))
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
@@ -77,10 +79,11 @@ class TlsFront:
 
         return forward
 
-    def _streaming(self, path: str):
-        async def forward(request: bytes, context):
-            call = self._channel.unary_stream(path)(request, metadata=_metadata(context),
-                                                    timeout=context.time_remaining())
+    def _streaming(self, multicallable):
+        """Forward a call with a stream of responses (a request or a stream of them in: the client's
+        request iterator is handed upstream as it is)."""
+        async def forward(request, context):
+            call = multicallable(request, metadata=_metadata(context), timeout=context.time_remaining())
             try:
                 async for message in call:
                     yield message
@@ -88,19 +91,5 @@ class TlsFront:
                 await context.abort(e.code(), e.details() or "")
             finally:
                 call.cancel()  # the client went away: so does the upstream call, and the request with it
-
-        return forward
-
-    def _bidi(self, path: str):
-        async def forward(requests, context):
-            call = self._channel.stream_stream(path)(requests, metadata=_metadata(context),
-                                                     timeout=context.time_remaining())
-            try:
-                async for message in call:
-                    yield message
-            except grpc.aio.AioRpcError as e:
-                await context.abort(e.code(), e.details() or "")
-            finally:
-                call.cancel()
 
         return forward
