@@ -19,13 +19,12 @@ from calid.edge import EDGE_MODES, EdgeRound, check_round
 from calid.errors import InvalidRequestError
 from calid.v1 import calid_pb2 as pb
 from serve_app import protocol
+from serve_app.calls import Failure, RequestRefused, RoundEnd
 
 _TIMEOUT = object()
 
 
 async def collaborate(router, stream, grpc_context):
-    from serve_app.router import RequestRefused  # the router imports this module
-
     def refuse(code: grpc.StatusCode, message: str, mode: str = "default"):
         router._refuse(grpc_context, mode, code, message)
         return RequestRefused(message)
@@ -91,12 +90,10 @@ async def collaborate(router, stream, grpc_context):
 async def _collect(router, r, reply: pb.CollaborateReply, kept: int, refuse) -> bool:
     """Fill ``reply`` with what the step loop made of ``r``'s round; True when the request finished
     (``kept``: draft tokens accepted in earlier rounds). A failure raises, with the status set."""
-    from serve_app.router import _Failure, _RoundEnd
-
     async for item in router._events(r):
-        if isinstance(item, _Failure):
+        if isinstance(item, Failure):
             raise refuse(item.code, item.message, r.mode)
-        if isinstance(item, _RoundEnd):
+        if isinstance(item, RoundEnd):
             reply.accepted = item.accepted
             continue
         reply.text += item.text

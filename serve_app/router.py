@@ -10,6 +10,10 @@ target call (early acceptance); the escalations of all requests go to the
 target in one batch. The router's token ids are the source of truth: a failed
 worker call is retried (any replica recomputes from the ids), and only after
 ``worker_call_retries`` does the request fail with UNAVAILABLE.
+
+Collaborate requests (serve_app.edge) are drafted by their clients: they
+join a step only once the client's round has arrived, and that round stands
+in for the draft worker's result.
 """
 from __future__ import annotations
 
@@ -19,16 +23,13 @@ import logging
 import os
 import time
 import uuid
-import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import grpc
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
 
-from actors.group import GroupFailed
 from calid.decoding.modes import MODES
 from calid.edge import EdgeRound, round_draft
 from calid.errors import CalidError
@@ -42,45 +43,12 @@ from calid.scaling import RateWindow
 from calid.v1 import calid_pb2 as pb
 from serve_app import protocol
 from serve_app.auth import AuthConfigError, allowed, bearer, load_keys
+from serve_app.calls import Failure, RequestRefused, RoundEnd, WorkerCalls, WorkersUnavailable
 from serve_app.config import ConfigError, load_config
 from serve_app.edge import collaborate
 from serve_app.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
-RETRY_CAP_S = 2.0
-RELEASE_ECHO_S = 30.0  # released ids ride along on every worker call this long, to reach every replica
-RELEASE_ECHO_MAX = 256
-
-
-class WorkersUnavailable(Exception):
-    def __init__(self, role: str, cause: BaseException):
-        super().__init__(f"the {role} deployment could not serve: {cause!r}")
-        self.code = grpc.StatusCode.UNAVAILABLE if _is_system_error(cause) else grpc.StatusCode.INTERNAL
-
-
-def _is_system_error(e: BaseException) -> bool:
-    """A lost replica, actor or shard group, or a call that timed out (retrying elsewhere can help), not an
-    error raised by the worker's code for these tasks."""
-    if isinstance(e, RayTaskError):
-        return isinstance(getattr(e, "cause", None), (RayActorError, GroupFailed))
-    return True
-
-
-class RequestRefused(Exception):
-    """Ends a stream with the status code already set on the gRPC context."""
-
-
-@dataclass
-class _Failure:
-    code: grpc.StatusCode
-    message: str
-
-
-@dataclass
-class _RoundEnd:
-    """An edge request's round is done: ``accepted`` of its draft tokens were kept."""
-
-    accepted: int
 
 
 @dataclass
@@ -132,7 +100,8 @@ class Router:
             raise ConfigError(str(e)) from None
         self._tokenizer_pool = ThreadPoolExecutor(2, thread_name_prefix="calid-tokenize")
         self._draining = False
-        self._released: deque[tuple[float, str]] = deque()  # (when, request id), newest last
+        self.calls = WorkerCalls(self.cfg, draft, target, self._id,
+                                 lambda: {"queued": float(len(self._waiting)), **self._rates.snapshot()})
 
     # ---- gRPC methods -------------------------------------------------------------
 
@@ -143,7 +112,7 @@ class Router:
         ids = []
         try:
             async for item in self._events(r):
-                if isinstance(item, _Failure):
+                if isinstance(item, Failure):
                     return self._fail(grpc_context, r, item)
                 ids += item.token_ids
                 if item.result is not None:
@@ -159,7 +128,7 @@ class Router:
             raise RequestRefused(grpc_context.details() if grpc_context is not None else "refused")
         try:
             async for item in self._events(r):
-                if isinstance(item, _Failure):
+                if isinstance(item, Failure):
                     self._fail(grpc_context, r, item)
                     raise RequestRefused(item.message)
                 chunk = pb.GenerateChunk(request_id=r.client_id, text=item.text, token_ids=item.token_ids)
@@ -286,7 +255,7 @@ class Router:
             grpc_context.set_details(message)
         return None
 
-    def _fail(self, grpc_context, r: _Request, failure: _Failure):
+    def _fail(self, grpc_context, r: _Request, failure: Failure):
         self._refuse(grpc_context, r.mode, failure.code, failure.message)
         return pb.GenerateResponse(request_id=r.client_id)
 
@@ -296,11 +265,11 @@ class Router:
             try:
                 item = await asyncio.wait_for(r.events.get(), timeout=max(0.0, r.deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                yield _Failure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                yield Failure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"request did not finish within request_timeout_s={self.cfg.request_timeout_s:g}")
                 return
             yield item
-            if isinstance(item, (_Failure, _RoundEnd)) or item.result is not None:
+            if isinstance(item, (Failure, RoundEnd)) or item.result is not None:
                 return
 
     def _close(self, r: _Request) -> None:
@@ -333,11 +302,11 @@ class Router:
             except WorkersUnavailable as e:
                 log.warning("calid router: failing %d requests: %s", len(states), e)
                 for s in states:
-                    self._deliver_failure(s.req.request_id, _Failure(e.code, str(e)))
+                    self._deliver_failure(s.req.request_id, Failure(e.code, str(e)))
             except Exception as e:  # a bug must not take down every later request
                 log.exception("calid router: step failed")
                 for s in states:
-                    self._deliver_failure(s.req.request_id, _Failure(grpc.StatusCode.INTERNAL, f"internal error: {e!r}"))
+                    self._deliver_failure(s.req.request_id, Failure(grpc.StatusCode.INTERNAL, f"internal error: {e!r}"))
             self._finish(self.orch.finished())
 
     def _ready(self, s: RequestState) -> bool:
@@ -362,7 +331,7 @@ class Router:
                 gone.append(s)
         self._waiting = deque(rid for rid in self._waiting if rid not in self._cancelled)
         self._cancelled.clear()
-        self._release(gone)
+        self.calls.release(gone)
 
     async def _step(self, states: list[RequestState]) -> None:
         self._steps += 1
@@ -370,23 +339,22 @@ class Router:
                 s.req.decode.mode == "auto" for s in states):
             await self._calibrate()
         edge = [r for s in states if (r := self._requests.get(s.req.request_id)) is not None and r.edge]
-        edge_ids = {r.req.request_id for r in edge}
-        tasks = self.orch.draft_tasks([s for s in states if s.req.request_id not in edge_ids])
+        before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
+                  for r in edge for s in [self.orch.active[r.req.request_id]]}
+        tasks = self.orch.draft_tasks([s for s in states if s.req.request_id not in before])
         start = time.perf_counter()
-        drafts, failed = await self._call("draft", tasks) if tasks else ([], {})
+        drafts, failed = await self.calls.call("draft", tasks) if tasks else ([], {})
         states = self._drop_failed(states, failed)
         if drafts:
             self.orch.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
-        before = {r.req.request_id: (len(self.orch.active[r.req.request_id].output),
-                                     self.orch.active[r.req.request_id].stats.draft_tokens) for r in edge}
-        drafts += [self._edge_draft(r) for r in edge]
+        drafts += [self._edge_draft(r) for r in edge]  # the clients' own drafts
         events, verify = self.orch.after_draft(states, drafts)
         self._deliver(events)
         if verify:
             self._max_escalation = max(self._max_escalation, len(verify))
             self._metrics.escalation_batch.observe(len(verify))
             start = time.perf_counter()
-            results, failed = await self._call("target", verify)
+            results, failed = await self.calls.call("target", verify)
             states = self._drop_failed(states, failed)
             if all(s.stats.target_calls for s in states) and not failed:  # decode steps only: a prefill's size is unknown here
                 self.orch.observe_verify(sum(1 + len(t.draft) for t in verify), time.perf_counter() - start)
@@ -411,9 +379,9 @@ class Router:
             produced, drafted = before[rid]
             if len(s.output) > produced or s.finish_reason:
                 r.round = None
-                r.events.put_nowait(_RoundEnd(s.stats.draft_tokens - drafted))
+                r.events.put_nowait(RoundEnd(s.stats.draft_tokens - drafted))
 
-    def _drop_failed(self, states: list[RequestState], failed: dict[str, _Failure]) -> list[RequestState]:
+    def _drop_failed(self, states: list[RequestState], failed: dict[str, Failure]) -> list[RequestState]:
         """Fail the requests a worker could not serve; the others go on."""
         for rid, failure in failed.items():
             self._deliver_failure(rid, failure)
@@ -444,18 +412,18 @@ class Router:
                     except Exception:  # metrics must never fail a request
                         log.exception("calid router: recording metrics failed")
 
-    def _deliver_failure(self, rid: str, failure: _Failure) -> None:
+    def _deliver_failure(self, rid: str, failure: Failure) -> None:
         r = self._requests.get(rid)
         if r is not None:
             r.events.put_nowait(failure)
         s = self.orch.finish(rid)
         if s is not None:
-            self._release([s])
+            self.calls.release([s])
 
     def _finish(self, done: list[RequestState]) -> None:
         for s in done:
             self._requests.pop(s.req.request_id, None)
-        self._release(done)
+        self.calls.release(done)
 
     def _count_tokens(self, states: list[RequestState]) -> None:
         """Add this step's new tokens to the rate window: one entry per step and kind, not per request."""
@@ -477,101 +445,3 @@ class Router:
             if n > 0:  # Counter.inc refuses 0
                 self._metrics.drafted.inc(n, tags={"where": where})
         self._metrics.filtered_fraction.set(self._rates.snapshot()["filtered_fraction"])
-
-    # ---- worker calls ----------------------------------------------------------------
-
-    def _group(self, request_id: str) -> str:
-        return f"g{zlib.crc32(request_id.encode()) % self.cfg.affinity_groups}"
-
-    def _report(self) -> dict:
-        horizon = time.monotonic() - RELEASE_ECHO_S
-        while self._released and (self._released[0][0] < horizon or len(self._released) > RELEASE_ECHO_MAX):
-            self._released.popleft()
-        return {"router": self._id, "queued": float(len(self._waiting)), **self._rates.snapshot(),
-                "released": [rid for _, rid in self._released]}
-
-    async def _call(self, role: str, tasks: list) -> tuple[list, dict[str, _Failure]]:
-        """One call per affinity group, concurrently, each bounded by worker_call_timeout_s; returns the
-        results and the requests that failed for good.
-
-        A lost replica or a timeout is retried with backoff (any replica recomputes from the token ids);
-        after ``worker_call_retries`` the whole step fails with WorkersUnavailable. Every retry first
-        cancels the calls still in flight, so an orphan never meets its retry in a worker's batch. An
-        error the worker's code raised for these tasks is not retried: ``_isolate`` finds the requests
-        it belongs to and fails only those.
-        """
-        handle, method = (self.draft, "draft") if role == "draft" else (self.target, "verify")
-        groups: dict[str, list] = {}
-        for t in tasks:
-            groups.setdefault(self._group(t.request_id), []).append(t)
-        report = self._report()
-        for attempt in range(self.cfg.worker_call_retries + 1):
-            calls = [getattr(handle.options(multiplexed_model_id=key), method).remote(group, report)
-                     for key, group in groups.items()]
-            try:
-                outs = await asyncio.wait_for(asyncio.gather(*calls), self.cfg.worker_call_timeout_s)
-                return [r for out in outs for r in out], {}
-            except (Exception, asyncio.CancelledError) as e:
-                _cancel(calls)
-                if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
-                    raise  # the router itself is shutting down
-                if not _is_system_error(e):  # one request: it is the culprit; several: find it
-                    if len(tasks) == 1:
-                        return [], {tasks[0].request_id: _request_failure(role, e)}
-                    return await self._isolate(role, handle, method, groups, report, e)
-                if attempt == self.cfg.worker_call_retries:
-                    raise WorkersUnavailable(role, e) from e
-                log.warning("calid router: %s call failed (attempt %d): %r; retrying", role, attempt + 1, e)
-                await asyncio.sleep(min(RETRY_CAP_S, 0.2 * 2**attempt))  # a restarting replica takes seconds
-
-    async def _isolate(self, role: str, handle, method: str, groups: dict[str, list], report: dict,
-                       error: BaseException) -> tuple[list, dict[str, _Failure]]:
-        """A deterministic error in a call of several requests: call each request alone, once, so that the
-        request that causes it fails (INTERNAL, with the worker's message) and the others go on."""
-        alone = [(t, getattr(handle.options(multiplexed_model_id=key), method).remote([t], report))
-                 for key, group in groups.items() for t in group]
-        log.warning("calid router: %s call raised %r; retrying its %d requests one by one", role, error, len(alone))
-        outs = await asyncio.gather(*(asyncio.wait_for(c, self.cfg.worker_call_timeout_s) for _, c in alone),
-                                    return_exceptions=True)
-        results, failed = [], {}
-        for (t, call), out in zip(alone, outs):
-            if isinstance(out, BaseException):
-                _cancel([call])
-                failed[t.request_id] = _request_failure(role, out)
-            else:
-                results += out
-        return results, failed
-
-    def _release(self, done: list[RequestState]) -> None:
-        """Tell the workers to free the finished requests' caches (fire and forget): the replica of each
-        request's group now, and every replica that serves a call in the next RELEASE_ECHO_S (the ids ride
-        along in the call's report), since a retry may have left a copy on another replica."""
-        groups: dict[str, list[RequestState]] = {}
-        now = time.monotonic()
-        for s in done:
-            groups.setdefault(self._group(s.req.request_id), []).append(s)
-            self._released.append((now, s.req.request_id))
-        for key, group in groups.items():
-            ids = [s.req.request_id for s in group]
-            self.target.options(multiplexed_model_id=key).release.remote(ids, {s.req.request_id: s.token_ids
-                                                                               for s in group})
-            if self.draft is not None:
-                self.draft.options(multiplexed_model_id=key).release.remote(ids)
-
-
-def _cancel(calls: list) -> None:
-    for c in calls:
-        try:
-            c.cancel()
-        except Exception:  # already finished, or not a Serve response (tests)
-            pass
-
-
-def _request_failure(role: str, e: BaseException) -> _Failure:
-    """One request's failure: INTERNAL with the worker's own message for an error its code raised,
-    UNAVAILABLE for a lost replica or a timeout."""
-    cause = getattr(e, "cause", None) or e
-    text = str(cause).strip().splitlines()
-    code = grpc.StatusCode.UNAVAILABLE if _is_system_error(e) else grpc.StatusCode.INTERNAL
-    return _Failure(code, f"the {role} deployment failed on this request: {type(cause).__name__}: "
-                          f"{text[-1] if text else ''}")
