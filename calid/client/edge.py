@@ -28,7 +28,8 @@ class LocalDraft:
 
     @property
     def needs_target_name(self) -> bool:
-        return self.spec.startswith("self:")
+        """Loading still needs the server's target name (a self:N draft not loaded yet)."""
+        return self._drafter is None and self.spec.startswith("self:")
 
     def drafter(self, target_name: str | None = None):
         with self._lock:
