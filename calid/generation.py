@@ -138,6 +138,7 @@ class RequestState:
         self.req = req
         self.eos_ids = eos_ids
         self.output: list[int] = []
+        self._ids = list(req.prompt_ids)  # prompt + output, appended to (token_ids hands it out: do not mutate)
         self.generator = make_generator(req.params.seed)
         self.stream = TextStream(tokenizer, req.params.stop)
         self.start, self.first_token_at = start, None
@@ -153,10 +154,12 @@ class RequestState:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.req.prompt_ids + self.output
+        """Prompt and output ids so far: the live list (read it; appending is ``append``'s job)."""
+        return self._ids
 
     def append(self, token: int, now: float, from_draft: bool, max_position: int) -> StreamEvent:
         self.output.append(token)
+        self._ids.append(token)
         if from_draft:
             self.stats.draft_tokens += 1
         else:

@@ -62,10 +62,13 @@ class Orchestrator:
             raise EngineConfigError(f"mode {req.decode.mode!r} needs a draft model; this deployment has none")
         return req
 
-    def start(self, req: GenerationRequest) -> RequestState:
+    def start(self, req: GenerationRequest, arrived: float | None = None) -> RequestState:
+        """Make ``req`` active; ``arrived`` (time.perf_counter() when it arrived, default now) is where its
+        TTFT and latency count from, so that time spent queued for a slot counts."""
         if req.request_id in self.active:
             raise CalidError(f"request id {req.request_id!r} is already in flight")
-        s = self.active[req.request_id] = RequestState(req, self.tokenizer, self.eos_ids, time.perf_counter())
+        start = time.perf_counter() if arrived is None else arrived
+        s = self.active[req.request_id] = RequestState(req, self.tokenizer, self.eos_ids, start)
         return s
 
     def finish(self, request_id: Hashable) -> RequestState | None:

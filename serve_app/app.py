@@ -12,12 +12,15 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from serve_app.autoscaling import autoscaling_config
+from serve_app.routing import request_router_config
 from serve_app.config import AppConfig, check_auth, check_models, check_resources, load_config
 from serve_app.router import Router
 from serve_app.workers import DraftDeployment, TargetDeployment
 
 SERVICER = "calid.v1.calid_pb2_grpc.add_CalidServicer_to_server"
 HEALTH_CHECK_PERIOD_S = 5.0  # workers' check_health: a hung forward is noticed within this
+# a worker gets a call per decoding step: an access-log line each would cost more than the call's routing
+WORKER_LOGGING = {"enable_access_log": False}
 
 
 def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
@@ -32,7 +35,8 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     config = cfg.model_dump()
     sharded = cfg.sharded  # the shards hold the model (and the GPUs); the replica only drives them
     target = TargetDeployment.options(
-        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
+        request_router_config=request_router_config(),
         ray_actor_options={"num_cpus": cfg.target_num_cpus, "num_gpus": 0.0 if sharded else cfg.target_num_gpus,
                            "resources": cfg.target_resources},
         autoscaling_config=autoscaling_config(cfg.target_scaling),
@@ -40,11 +44,17 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     draft = None
     if cfg.draft is not None:
         draft = DraftDeployment.options(
-            health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
+            request_router_config=request_router_config(),
             ray_actor_options={"num_cpus": cfg.draft_num_cpus, "resources": cfg.draft_resources},
             autoscaling_config=autoscaling_config(cfg.draft_scaling),
         ).bind(config)
-    return Router.options(ray_actor_options={"num_cpus": cfg.router_num_cpus}).bind(config, draft, target)
+    routers = cfg.router_scaling
+    return Router.options(ray_actor_options={"num_cpus": cfg.router_num_cpus}, autoscaling_config={
+        "min_replicas": routers.min_replicas, "max_replicas": routers.max_replicas,
+        "initial_replicas": routers.min_replicas,
+        "target_ongoing_requests": routers.target_ongoing_requests or cfg.max_active,
+    }).bind(config, draft, target)
 
 
 def grpc_options(port: int) -> gRPCOptions:

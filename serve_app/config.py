@@ -40,6 +40,23 @@ class ScalingConfig(BaseModel):
         return self
 
 
+class RouterScaling(BaseModel):
+    """Router replicas: Serve's own autoscaling on the gRPC calls each router holds. Each router decodes its
+    requests in its own step loop; all of them share the worker replicas (whose forwards merge their calls)."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float | None = Field(None, gt=0, description="calls one router is sized for "
+                                                  "(None: max_active)")
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     target: str = DEFAULT_TARGET
@@ -55,7 +72,6 @@ class AppConfig(BaseModel):
     default_mode: str | None = None  # None: speculative with a draft, ar without
     max_active: int = Field(16, ge=1, description="requests one router decodes at once")
     queue_capacity: int = Field(64, ge=0, description="admitted requests waiting for a slot; more -> RESOURCE_EXHAUSTED")
-    affinity_groups: int = Field(2, ge=1, description="request groups per router, each sticky to one worker replica")
     kv_budget_mb: int | None = Field(2048, ge=1)
     max_forward_tokens: int | None = Field(256, ge=1, description="SARATHI: token budget of one target forward; "
                                            "long prompts are prefilled in chunks beside the running decodes")
@@ -77,6 +93,7 @@ class AppConfig(BaseModel):
     target_resources: dict[str, float] = Field(default_factory=dict)
     draft_scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     target_scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    router_scaling: RouterScaling = Field(default_factory=RouterScaling)
     max_request_bytes: int = Field(1 << 20, ge=1024, description="largest Generate request on the wire; larger "
                                    "ones are refused before any tokenizing")
     max_new_tokens_limit: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
@@ -208,7 +225,7 @@ def check_models(cfg: AppConfig) -> dict:
 
 def check_resources(cfg: AppConfig, cluster: dict[str, float]) -> None:
     """The cluster must hold the minimum replicas of every deployment (``cluster``: ray.cluster_resources())."""
-    need: dict[str, float] = {"CPU": cfg.router_num_cpus}
+    need: dict[str, float] = {"CPU": cfg.router_num_cpus * cfg.router_scaling.min_replicas}
     shards = cfg.target_tp * cfg.target_pp if cfg.sharded else 0  # a sharded replica also needs its shard actors
     roles = [("target", cfg.target_scaling, cfg.target_num_cpus * (1 + shards), cfg.target_num_gpus * max(1, shards),
               cfg.target_resources)]

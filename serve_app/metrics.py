@@ -28,6 +28,10 @@ class RouterMetrics:
                                             boundaries=[0.5, 1, 2, 3, 4, 6, 8, 12, 16], tag_keys=("mode",))
         self.queue_depth = metrics.Gauge("calid_queue_depth", "requests admitted and waiting for a decoding slot")
         self.active = metrics.Gauge("calid_active_requests", "requests decoding")
+        self.forward_cost = metrics.Gauge("calid_forward_cost_ms", "the router's cost model (the auto planner's "
+                                          "input): a target forward of <size> tokens, a draft step of <size> "
+                                          "sequences; calibrated at start, refreshed from live timings",
+                                          tag_keys=("role", "size"))
         self.ttft = metrics.Histogram("calid_ttft_ms", "time to first token at the router",
                                       boundaries=LATENCY_MS, tag_keys=("mode",))
         self.tpot = metrics.Histogram("calid_tpot_ms", "time per output token after the first",
@@ -47,6 +51,13 @@ class RouterMetrics:
         self.ttft.observe(result.ttft_s * 1000, tags=tags)
         if len(result.output_ids) > 1:
             self.tpot.observe((result.total_s - result.ttft_s) * 1000 / (len(result.output_ids) - 1), tags=tags)
+
+    def costs(self, verify, draft) -> None:
+        """Export the cost model (calid.planning.CostTable of each role) at a few sizes."""
+        for role, table, sizes in (("target", verify, (1, 4, 16, 64)), ("draft", draft, (1, 8, 32))):
+            if table.known:
+                for n in sizes:
+                    self.forward_cost.set(table(n) * 1000, tags={"role": role, "size": str(n)})
 
     def failed(self, mode: str, code: str) -> None:
         self.requests.inc(tags={"mode": mode, "code": code})

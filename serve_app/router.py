@@ -3,9 +3,8 @@
 Per request: validate (INVALID_ARGUMENT naming the field), admit into a
 bounded queue (RESOURCE_EXHAUSTED when full), then decode in the router's
 step loop together with every other active request (calid.orchestrator):
-one draft call and one target call per step for all of them, grouped by
-affinity key so each group's calls stick to the worker replicas that hold its
-KV caches. Confident filter drafts are appended and streamed before the
+per step at most one draft call and one target call per worker replica, each
+request's to the replica that holds its KV caches (serve_app.calls). Confident filter drafts are appended and streamed before the
 target call (early acceptance); the escalations of all requests go to the
 target in one batch. The router's token ids are the source of truth: a failed
 worker call is retried (any replica recomputes from the ids), and only after
@@ -49,6 +48,7 @@ from serve_app.edge import collaborate
 from serve_app.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
+COST_EXPORT_STEPS = 32  # the cost model goes to the metrics every this many steps
 
 
 @dataclass
@@ -64,6 +64,7 @@ class _Request:
     owner: str | None = None  # the caller's API key, when keys are on: only its owner may cancel it
     edge: bool = False  # the client drafts (Collaborate): its steps wait for the client's rounds
     round: EdgeRound | None = None  # an edge request's draft round, until a step has used it
+    arrived: float = field(default_factory=time.perf_counter)  # its TTFT counts from here (queueing included)
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024)
@@ -92,6 +93,7 @@ class Router:
         self._rates = RateWindow()
         self._metrics = RouterMetrics()
         self._steps = 0
+        self._step_s = 0.0  # time in steps (the rest of it is spent in worker calls: stats()["call_s"])
         self._max_escalation = 0
         self._calibrated = False
         try:
@@ -170,7 +172,9 @@ class Router:
         """Router counters for tests and the demo (not part of the gRPC API)."""
         return {"active": len(self.orch.active), "waiting": len(self._waiting), "requests": len(self._requests),
                 "steps": self._steps, "max_escalation_batch": self._max_escalation, "draining": self._draining,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "target_calls": self.calls.sent["target"], "draft_calls": self.calls.sent["draft"],
+                "target_fanout": self.calls.fanout["target"], "step_s": self._step_s,
+                "call_s": dict(self.calls.seconds)}
 
     async def drain(self) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not
@@ -193,6 +197,7 @@ class Router:
         """Authenticate, check, tokenize (off the event loop) and admit; on refusal set the status code and
         return None. Everything that costs nothing runs before the tokenizer, so refusals take no time.
         ``edge``: a Collaborate request, drafted by the client."""
+        arrived = time.perf_counter()
         mode = request.mode or "default"
         if not self._authorized(grpc_context, mode):
             return None
@@ -214,7 +219,8 @@ class Router:
         if self._full():  # others were admitted while this one was tokenized
             return self._refuse_full(grpc_context, req.decode.mode)
         r = _Request(request.request_id or req.request_id, req.decode.mode, req,
-                     time.monotonic() + self.cfg.request_timeout_s, owner=self._owner(grpc_context), edge=edge)
+                     time.monotonic() + self.cfg.request_timeout_s, owner=self._owner(grpc_context), edge=edge,
+                     arrived=arrived)
         self._requests[req.request_id] = r
         self._waiting.append(req.request_id)
         self._ensure_loop()
@@ -297,6 +303,7 @@ class Router:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            start = time.perf_counter()
             try:
                 await self._step(states)
             except WorkersUnavailable as e:
@@ -308,6 +315,7 @@ class Router:
                 for s in states:
                     self._deliver_failure(s.req.request_id, Failure(grpc.StatusCode.INTERNAL, f"internal error: {e!r}"))
             self._finish(self.orch.finished())
+            self._step_s += time.perf_counter() - start
 
     def _ready(self, s: RequestState) -> bool:
         """Whether a step can advance ``s`` now: an edge request waits for its client's next round."""
@@ -318,7 +326,8 @@ class Router:
         while self._waiting and len(self.orch.active) < self.cfg.max_active:
             rid = self._waiting.popleft()
             if rid in self._requests:
-                self.orch.start(self._requests[rid].req)
+                r = self._requests[rid]
+                self.orch.start(r.req, arrived=r.arrived)
 
     def _drop_cancelled(self) -> None:
         if not self._cancelled:
@@ -361,6 +370,8 @@ class Router:
             self._deliver(self.orch.after_verify(results))
         self._end_rounds(edge, before)
         self._count_tokens(states)
+        if self._steps % COST_EXPORT_STEPS == 1:
+            self._metrics.costs(self.orch.verify_cost, self.orch.draft_cost)
 
     def _edge_draft(self, r: _Request):
         """The DraftResult of an edge request's round (calid.edge.round_draft)."""

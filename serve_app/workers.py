@@ -1,15 +1,13 @@
 """Draft and target deployments: one model each, behind calid.workers, with soft-state KV caches.
 
-Every call carries a list of tasks (one router step's requests of one
-affinity group). ``@serve.batch`` merges the calls that arrive together (from
-several groups or routers) into one model pass, so escalations of many
-requests share one target forward (continuous batching across routers).
-Model work runs on one executor thread, off the replica's event loop.
-
-Affinity: routers tag calls with a group key through Serve's model
-multiplexing (``multiplexed_model_id``); the key is "loaded" for free, so a
-group's calls stick to the replica that holds its KV caches, and any replica
-still serves a group correctly (it recomputes on a cache miss).
+Every call carries a list of tasks (one router step's requests on this
+replica) and answers with a ``Reply`` (serve_app.calls): the replica's id, the
+results, and the requests whose token-id delta it could not expand. The router
+pins a request to the replica that holds its caches (serve_app.routing steers
+its calls there); any replica still serves any request correctly, recomputing
+on a cache miss. Calls that arrive while a forward runs are merged into the
+next forward (continuous batching across routers); a call to an idle replica
+starts at once. Model work runs on one executor thread, off the event loop.
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ from ray import serve
 from calid.backends import open_draft, open_model, pick_dtype
 from calid.workers import DraftWorker, TargetWorker
 from serve_app.autoscaling import DEMAND, PENDING, QUEUE
+from serve_app.calls import Reply, expand_ids
 from serve_app.config import load_config
 from serve_app.metrics import WorkerMetrics
 
@@ -37,6 +36,43 @@ def _log(line: str) -> None:
     logger.info(line)
 
 
+class _Batcher:
+    """One forward at a time over every call that is waiting: a call to an idle replica starts at once, and
+    the calls that arrive while a forward runs (from any router) go together into the next one, at most
+    MAX_BATCH_CALLS of them. ``run(calls)`` maps a list of calls' task lists to their result lists."""
+
+    def __init__(self, run):
+        self._run = run
+        self._waiting: list[tuple[list, asyncio.Future]] = []
+        self._busy = False
+
+    async def submit(self, tasks: list) -> list:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._waiting.append((tasks, done))
+        if not self._busy:
+            self._busy = True
+            loop.create_task(self._drain())
+        return await done
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting[:MAX_BATCH_CALLS], self._waiting[MAX_BATCH_CALLS:]
+                batch = [(tasks, done) for tasks, done in batch if not done.done()]  # callers that gave up
+                if not batch:
+                    continue
+                try:
+                    outs = await self._run([tasks for tasks, _ in batch])
+                except Exception as e:  # every call of the forward hears it (the router isolates the culprit)
+                    outs = [e] * len(batch)
+                for (_, done), out in zip(batch, outs):
+                    if not done.done():
+                        done.set_exception(out) if isinstance(out, Exception) else done.set_result(out)
+        finally:
+            self._busy = False
+
+
 class _WorkerBase:
     role = ""
 
@@ -47,23 +83,27 @@ class _WorkerBase:
         self._reports: dict[str, tuple[float, float, float]] = {}  # router -> (time, demand, queued requests)
         self._pending = 0
         self._batches = 0
+        self._busy_s = 0.0  # time in forwards (the rest of a call's time is transport and waiting)
         self._max_batch = 0
         self._metrics = WorkerMetrics(self.role)
         self._touched: dict = {}  # request id -> when a call last carried it (what this replica may hold)
+        self._ids: dict = {}  # request id -> the full token ids its last call carried (to expand deltas)
         self._batch_started: float | None = None
+        self._batcher = _Batcher(self._forward)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside a Serve replica (in-process tests)
+            self.replica_id = f"local-{os.getpid()}-{id(self):x}"
 
     @property
     def _kv_budget(self) -> int | None:
         return None if self.cfg.kv_budget_mb is None else self.cfg.kv_budget_mb * 2**20
 
-    @serve.multiplexed(max_num_models_per_replica=1024)
-    async def _affinity(self, key: str) -> str:
-        return key  # nothing to load: the key only steers routing to this replica
+    async def whoami(self) -> str:
+        """This replica's id (the router broadcasts this to learn the running replicas)."""
+        return self.replica_id
 
     async def _enter(self, report: dict | None) -> None:
-        key = serve.get_multiplexed_model_id()
-        if key:
-            await self._affinity(key)
         if report:
             self._reports[report["router"]] = (time.monotonic(), report[f"{self.role}_demand"], report["queued"])
             gone = [rid for rid in report.get("released", ()) if rid in self._touched]
@@ -88,15 +128,17 @@ class _WorkerBase:
         finally:
             self._batch_started = None
         self._batches += 1
+        self._busy_s += time.perf_counter() - start
         self._max_batch = max(self._max_batch, len(flat))
         self._metrics.batch.observe(len(flat))
         self._metrics.latency.observe((time.perf_counter() - start) * 1000)
         by_id = {r.request_id: r for r in results}
         return [[by_id[t.request_id] for t in call if t.request_id in by_id] for call in calls]
 
-    async def release(self, request_ids: list, final_ids: dict | None = None) -> None:
+    async def release(self, request_ids: list, final_ids: dict | None = None, replica: str | None = None) -> None:
         for rid in request_ids:
             self._touched.pop(rid, None)
+            self._ids.pop(rid, None)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._release, request_ids, final_ids)
 
     async def _forget_idle(self, now: float) -> None:
@@ -139,18 +181,35 @@ class _WorkerBase:
     async def stats(self) -> dict:
         """Counters for tests and the demo: batches run, the largest batch, live KV caches."""
         cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
-        return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending}
+        return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending,
+                "busy_s": self._busy_s}
 
     def _cached(self) -> int:
         return self._runner.cached_count()
 
-    async def _call(self, batch_fn, tasks: list, report: dict | None) -> list:
+    async def _call(self, tasks: list, report: dict | None) -> Reply:
+        """Expand the tasks' token-id deltas from what this replica holds, run them in the next forward, and
+        answer with the requests whose delta could not be expanded (the router resends those in full)."""
         await self._enter(report)
+        full, missing = [], []
+        for t in tasks:
+            expanded = expand_ids(t, self._ids.get(t.request_id))
+            if expanded is None:
+                missing.append(t.request_id)
+            else:
+                full.append(expanded)
         self._pending += 1
         try:
-            return await batch_fn(tasks)
+            results = await self._batcher.submit(full) if full else []
         finally:
             self._pending -= 1
+        for t in full:
+            if t.request_id in self._touched:  # not released while it ran
+                self._ids[t.request_id] = t.token_ids
+        return Reply(self.replica_id, results, missing)
+
+    async def _forward(self, calls: list[list]) -> list[list]:
+        return await self._run_batch(self.worker.draft if self.role == "draft" else self.worker.verify, calls)
 
 
 @serve.deployment(name="draft", max_ongoing_requests=256)
@@ -165,12 +224,9 @@ class DraftDeployment(_WorkerBase):
         self._runner = lm.runner
         self.worker = DraftWorker(self._runner, lm.eos_ids, max_forward_tokens=cfg.max_forward_tokens)
 
-    async def draft(self, tasks: list, report: dict | None = None) -> list:
-        return await self._call(self._draft_batch, tasks, report)
-
-    @serve.batch(max_batch_size=MAX_BATCH_CALLS, batch_wait_timeout_s=0.002)
-    async def _draft_batch(self, calls: list[list]) -> list[list]:
-        return await self._run_batch(self.worker.draft, calls)
+    async def draft(self, tasks: list, report: dict | None = None, replica: str | None = None) -> Reply:
+        """``replica``: the replica the router meant this call for (serve_app.routing); any replica serves it."""
+        return await self._call(tasks, report)
 
     def _release(self, request_ids, final_ids) -> None:
         self.worker.release(request_ids)
@@ -211,12 +267,9 @@ class TargetDeployment(_WorkerBase):
             return []
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.pids)
 
-    async def verify(self, tasks: list, report: dict | None = None) -> list:
-        return await self._call(self._verify_batch, tasks, report)
-
-    @serve.batch(max_batch_size=MAX_BATCH_CALLS, batch_wait_timeout_s=0.002)
-    async def _verify_batch(self, calls: list[list]) -> list[list]:
-        return await self._run_batch(self.worker.verify, calls)
+    async def verify(self, tasks: list, report: dict | None = None, replica: str | None = None) -> Reply:
+        """``replica``: as in ``draft``."""
+        return await self._call(tasks, report)
 
     def _release(self, request_ids, final_ids) -> None:
         self.worker.release(request_ids, final_ids)

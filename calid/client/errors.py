@@ -51,8 +51,11 @@ _BY_CODE = {c.code: c for c in (InvalidArgument, ResourceExhausted, DeadlineExce
 
 
 # Ray Serve's proxy answers INTERNAL when the replica handling a call dies (it maps every Ray actor error
-# to INTERNAL); for a client that is the server going away, as UNAVAILABLE says.
-_REPLICA_DIED = ("The actor died unexpectedly", "actor is dead", "ActorDiedError", "ActorUnavailableError")
+# to INTERNAL); for a client that is the server going away, as UNAVAILABLE says. Over Ray actor calls the
+# details name ActorDiedError; over Serve's gRPC transport (RAY_SERVE_USE_GRPC_BY_DEFAULT) they say the actor
+# "is unavailable".
+_REPLICA_DIED = ("The actor died unexpectedly", "actor is dead", "ActorDiedError", "ActorUnavailableError",
+                 "Actor is unavailable")
 
 
 def status_of(e: grpc.RpcError) -> grpc.StatusCode:

@@ -16,7 +16,7 @@ from calid.decoding.confidence import top1
 from calid.decoding.sampling import sample, warp
 from calid.decoding.tree import TokenTree
 from calid.runtime.runner import ModelRunner, SeqInput
-from calid.workers.messages import DraftResult, DraftTask, load_generator, save_generator
+from calid.workers.messages import DraftResult, DraftTask, load_generator, require_full_ids, save_generator
 from calid.workers.target import MIN_CHUNK
 
 BRANCH_POINTS = 1  # unsure positions a tree chain branches at before it stops growing
@@ -72,6 +72,7 @@ class DraftWorker:
         self._lanes: dict[Hashable, int] = {}  # draft chains per tree request, to free their caches
 
     def draft(self, tasks: list[DraftTask]) -> list[DraftResult]:
+        require_full_ids(tasks)
         order, prefilling = tasks, self._prefill_chunks(tasks)
         tasks = [t for t in tasks if t.request_id not in prefilling]
         chains = [_Chain(t, self.eos_ids, self.runner.device) for t in tasks if not t.decode.is_tree]

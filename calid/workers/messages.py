@@ -6,9 +6,10 @@ One decoding step of a request is two calls:
   VerifyTask -> target worker -> VerifyResult  the tokens to append
 
 The orchestrator owns the request: its token ids are the source of truth and
-every task carries them in full, so a worker holds only soft state (KV caches
-keyed by request id, the Lookahead trie) and any worker can serve any task,
-recomputing on a cache miss. A sampled request's random generator state
+every task carries them (in full, or over Ray as a delta from ``ids_from``
+against the ids the replica acknowledged; serve_app.calls), so a worker holds
+only soft state (KV caches keyed by request id, the Lookahead trie) and any
+worker can serve any task, recomputing on a cache miss. A sampled request's random generator state
 travels with its tasks for the same reason. The same messages cross a Ray
 Serve handle unchanged (serve_app) or a plain function call (calid.Engine).
 """
@@ -35,6 +36,7 @@ class DraftTask:
     confidence_nll: float  # a draft step is confident when its top-1 NLL <= this
     budget: int  # most draft tokens worth proposing now (0: draft nothing)
     rng: torch.Tensor | None = None  # generator state of a sampled request
+    ids_from: int = 0  # token_ids holds the committed ids from this position on (0: all of them)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class VerifyTask:
     q: torch.Tensor | None = None
     tree: TokenTree | None = None  # tree mode; lookahead trees come from the worker's trie
     rng: torch.Tensor | None = None
+    ids_from: int = 0  # as DraftTask.ids_from
 
 
 @dataclass
@@ -92,3 +95,12 @@ def load_generator(state: torch.Tensor | None, device: torch.device | str = "cpu
 
 def save_generator(g: torch.Generator | None) -> torch.Tensor | None:
     return None if g is None else g.get_state()
+
+
+def require_full_ids(tasks: list) -> None:
+    """Workers compute on full token ids: a delta (``ids_from``) must have been expanded by whoever holds the
+    head (serve_app.workers); failing here beats decoding from a truncated context."""
+    for t in tasks:
+        if t.ids_from:
+            raise ValueError(f"request {t.request_id!r}: token ids from position {t.ids_from} only reached the "
+                             "worker (a delta nobody expanded)")

@@ -21,7 +21,7 @@ from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
 from calid.decoding.sampling import warp
 from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled, verify_stochastic
 from calid.runtime.runner import ModelRunner, SeqInput
-from calid.workers.messages import VerifyResult, VerifyTask, load_generator, save_generator
+from calid.workers.messages import VerifyResult, VerifyTask, load_generator, require_full_ids, save_generator
 
 
 MIN_CHUNK = 32  # a prefill chunk is never smaller than this, so a long prompt always progresses
@@ -80,6 +80,7 @@ class TargetWorker:
     def verify(self, tasks: list[VerifyTask]) -> list[VerifyResult]:
         if not tasks:
             return []
+        require_full_ids(tasks)
         trees = {}
         for t in tasks:
             if t.decode.mode == "lookahead":

@@ -71,7 +71,9 @@ class Call:
 
 class StandIn:
     """Serve's deployment handle in process: ``options(...)`` is ignored and ``.method.remote(*args)``
-    runs the coroutine ``self._method(*args)`` (subclasses define them), returning a Call."""
+    runs the coroutine ``self._method(*args)`` (subclasses define them), returning a Call. The ``replica``
+    keyword (Serve's routing reads it) is dropped; a method that returns a bare list of results (a worker
+    behind no deployment) answers as a Reply naming no replica, so the router sends it full token ids."""
 
     def options(self, **kw):
         return self
@@ -85,9 +87,16 @@ class StandIn:
         outer = self
 
         class _Method:
-            def remote(self, *args):
-                call = Call(getattr(outer, f"_{method}")(*args))
+            def remote(self, *args, replica=None):
+                call = Call(_as_reply(getattr(outer, f"_{method}")(*args)))
                 outer.sent(method, call)
                 return call
 
         return _Method()
+
+
+async def _as_reply(coro):
+    from serve_app.calls import Reply
+
+    out = await coro
+    return Reply(None, out) if isinstance(out, list) else out

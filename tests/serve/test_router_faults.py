@@ -86,7 +86,7 @@ def test_a_deterministic_worker_error_fails_only_its_request(target):
     requests batched with it finish with exactly the tokens of a run without it."""
     async def run(poison):
         handle = _Target(_worker(target), encode_prompt(target.tokenizer, POISON) if poison else None)
-        router = _router(handle, affinity_groups=1)
+        router = _router(handle)
         normal = [asyncio.ensure_future(_generate(router, p)) for p in PROMPTS]
         while len(router.orch.active) < len(PROMPTS):  # the poisoned request joins their running batch
             await asyncio.sleep(0.005)
@@ -202,3 +202,20 @@ def test_drain_finishes_what_is_in_flight_and_admits_nothing(target):
     assert ctx.code is None and len(resp.token_ids) == 12
     assert refused.code == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.message
     assert not health.serving and not router._requests
+
+
+def test_ttft_counts_from_arrival_including_the_wait_for_a_slot(target):
+    """With one decoding slot, the second request waits for the first to finish; its TTFT includes that wait
+    (metrics and the response's stats count from arrival, not from admission)."""
+    async def run():
+        router = _router(_Target(_worker(target)), max_active=1)
+        first = asyncio.ensure_future(_generate(router, PROMPTS[0]))
+        while not router.orch.active:
+            await asyncio.sleep(0.001)
+        sent = asyncio.get_running_loop().time()
+        (_, a), (_, b) = await asyncio.gather(first, _generate(router, PROMPTS[1]))
+        return a, b, asyncio.get_running_loop().time() - sent
+
+    a, b, waited = asyncio.run(run())
+    assert b.stats.ttft_ms >= a.stats.total_ms * 0.8  # it queued behind all of request 1's decoding
+    assert b.stats.total_ms <= waited * 1000 + 50

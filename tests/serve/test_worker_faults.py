@@ -21,25 +21,19 @@ PROMPT = "List three colors of the rainbow."
 def _replica(**overrides):
     from serve_app.workers import TargetDeployment
 
-    replica = TargetDeployment.func_or_class(AppConfig.small(draft=None, **overrides).model_dump())
-
-    async def unbatched(tasks):  # serve.batch needs a live replica; each call is its own batch here
-        return (await replica._run_batch(replica.worker.verify, [tasks]))[0]
-
-    replica._verify_batch = unbatched
-    return replica
+    return TargetDeployment.func_or_class(AppConfig.small(draft=None, **overrides).model_dump())
 
 
-class _RoundRobin(StandIn):
-    """Serve's handle over several in-process replicas: verify calls take turns; a release reaches only
-    the replica the call's affinity would pick today (the last one)."""
+class _Scripted(StandIn):
+    """Serve's handle over several in-process replicas: verify call n (from 1) goes to
+    ``replicas[route(n)]``; a release reaches only the last replica."""
 
-    def __init__(self, replicas):
-        self.replicas, self.turn = replicas, 0
+    def __init__(self, replicas, route=lambda n: 0):
+        self.replicas, self.route, self.n = replicas, route, 0
 
     async def _verify(self, *args):
-        self.turn += 1
-        return await self.replicas[self.turn % len(self.replicas)].verify(*args)
+        self.n += 1
+        return await self.replicas[self.route(self.n)].verify(*args)
 
     async def _release(self, *args):
         await self.replicas[-1].release(*args)
@@ -53,27 +47,23 @@ def replicas():
     return _replica(), _replica()
 
 
-@pytest.fixture(autouse=True)
-def no_serve_context(monkeypatch):
-    """Outside a replica there is no request context: calls carry no affinity key."""
-    from ray import serve
-
-    monkeypatch.setattr(serve, "get_multiplexed_model_id", lambda: "")
-
-
 def test_a_release_reaches_a_replica_that_was_not_told(replicas):
-    """Request 1 runs on both replicas (its calls alternate, as after a retry elsewhere); its release goes to
-    one. The other frees its copy when the next call reaches it, whoever sends it."""
+    """Request 1 starts on replica a and moves to b after two calls (as after a retry elsewhere: b lacks the
+    ids a delta builds on, says so, and gets them in full); its release goes to b. Replica a frees its copy
+    when the next call reaches it, whoever sends it."""
     from serve_app.router import Router
 
     a, b = replicas
+    moved = [True]
 
     async def run():
-        router = Router.func_or_class(AppConfig.small(draft=None).model_dump(), None, _RoundRobin([a, b]))
+        handle = _Scripted([a, b], route=lambda n: 1 if moved[0] and n > 2 else 0)
+        router = Router.func_or_class(AppConfig.small(draft=None).model_dump(), None, handle)
         first = await router.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=6), None)
         rid = f"{router._id}-1"
         await asyncio.sleep(0.05)  # the fire-and-forget release lands
         held_before = (a._runner.cached_length(rid), b._runner.cached_length(rid))
+        moved[0] = False  # the next request's calls reach a
         await router.Generate(pb.GenerateRequest(prompt="Name a prime number.", max_new_tokens=6), None)
         return first, held_before, (a._runner.cached_length(rid), b._runner.cached_length(rid))
 
@@ -89,7 +79,7 @@ def test_caches_no_call_touched_for_cache_idle_s_are_freed(replicas):
     replica = _replica(cache_idle_s=0.5)
 
     async def run():
-        class _Keep(_RoundRobin):  # never releases: a lost release
+        class _Keep(_Scripted):  # never releases: a lost release
             async def _release(self, *args):
                 pass
 
