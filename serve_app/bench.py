@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 COLUMNS = ["mode", "concurrency", "requests", "tokens", "grpc_tok_s", "inproc_tok_s", "ratio", "overhead_ms_p50",
-           "ingress_ms_p50", "per_step_ms_p50", "same_tokens", "limit_tok_s"]
+           "ingress_ms_p50", "per_step_ms_p50", "serving_ms_per_step", "same_tokens", "limit_tok_s"]
 
 
 def add_parser(sub) -> None:
@@ -36,6 +36,22 @@ def add_parser(sub) -> None:
 
 def _p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def _server_times(cfg) -> tuple[float, int, float]:
+    """(router step seconds, router steps, forward seconds of every worker) so far."""
+    from ray import serve
+
+    router = serve.get_deployment_handle("router", cfg.app_name).stats.remote().result()
+    forward = 0.0
+    for role in ("target", "draft") if cfg.draft is not None else ("target",):
+        forward += serve.get_deployment_handle(role, cfg.app_name).stats.remote().result()["busy_s"]
+    return router["step_s"], router["steps"], forward
+
+
+def _serving_ms(cfg, before: tuple[float, int, float]) -> float:
+    step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
+    return (step_s - forward) * 1000 / steps if steps else float("nan")
 
 
 def run(args) -> int:
@@ -88,6 +104,7 @@ def run(args) -> int:
             for mode in modes:
                 decode = DecodeParams(mode=mode)
                 over, ingress, per_step, same, t_grpc, t_local = [], [], [], 0, 0.0, 0.0
+                before = _server_times(cfg)
                 for i in range(n):
                     def local():
                         t = time.perf_counter()
@@ -113,7 +130,8 @@ def run(args) -> int:
                 rows.append({"mode": mode, "concurrency": 1, "requests": n, "tokens": n * new,
                              "grpc_tok_s": n * new / t_grpc, "inproc_tok_s": n * new / t_local,
                              "ratio": t_local / t_grpc, "overhead_ms_p50": _p50(over), "ingress_ms_p50": _p50(ingress),
-                             "per_step_ms_p50": _p50(per_step), "same_tokens": f"{same}/{n}", "limit_tok_s": limit1})
+                             "per_step_ms_p50": _p50(per_step), "serving_ms_per_step": _serving_ms(cfg, before),
+                             "same_tokens": f"{same}/{n}", "limit_tok_s": limit1})
                 batch = ids[: args.concurrency]
                 t = time.perf_counter()
                 local_out = engine.generate([GenerationRequest(b, params, decode=decode) for b in batch])
@@ -124,14 +142,17 @@ def run(args) -> int:
                     async with AsyncClient(address, app=cfg.app_name, timeout=1800) as ac:
                         return await asyncio.gather(*[ac.generate(p, max_new_tokens=new, ignore_eos=True, mode=mode)
                                                       for p in texts[: args.concurrency]])
+                before = _server_times(cfg)
                 t = time.perf_counter()
                 remote_out = asyncio.run(burst())
                 t_grpc = time.perf_counter() - t
+                serving = _serving_ms(cfg, before)
                 bar.update(1)
                 k = args.concurrency
                 rows.append({"mode": mode, "concurrency": k, "requests": k, "tokens": k * new,
                              "grpc_tok_s": k * new / t_grpc, "inproc_tok_s": k * new / t_local, "ratio": t_local / t_grpc,
                              "overhead_ms_p50": (t_grpc - t_local) * 1000, "ingress_ms_p50": "-", "per_step_ms_p50": "-",
+                             "serving_ms_per_step": serving,
                              "same_tokens": f"{sum(r.token_ids == o.output_ids for r, o in zip(remote_out, local_out))}/{k}",
                              "limit_tok_s": k * limit1})
     finally:
@@ -144,7 +165,11 @@ def run(args) -> int:
         "overhead_ms_p50 = per-request gRPC latency - in-process latency (concurrency C: whole burst)",
         "ingress_ms_p50 = client latency - the router's own request time (gRPC proxy, admission, response); "
         f"a Health call (no work at all) takes {_p50(rtt):.1f} ms p50 through the same proxy",
-        "per_step_ms_p50 = (router time - in-process time) / decoding steps: the cost of the draft and target calls",
+        "per_step_ms_p50 = (router time - in-process time) / decoding steps: the cost of the draft and target calls, "
+        "and of the served forwards sharing the machine's cores with the client, proxy and router",
+        "serving_ms_per_step = (the router's step time - the workers' forward time) / router steps, from the "
+        "server's own counters: what serving adds to a decoding step (transport, router work), compute excluded "
+        "(target: < 5 ms)",
         f"limit = bandwidth {bandwidth:.1f} GB/s / target weight bytes per step {target.decode_read_bytes / 1e9:.2f} GB "
         "(x concurrency for a batch that reads the weights once per step)",
         "same_tokens counts greedy outputs identical token for token on both paths",

@@ -34,3 +34,30 @@ def quality_vs_filtered(rows: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def load_curves(rows: list[dict], loads: list[str], path: Path) -> Path:
+    """Goodput and p99 TPOT of each mode against load (``loads``: the x axis, in order)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    by = {(r["load"], r["mode"]): r for r in rows}
+    for ax, key, label in ((axes[0], "goodput_tok_s", "goodput (tokens/s within SLO)"),
+                           (axes[1], "tpot_ms_p99", "TPOT p99 (ms)")):
+        for mode in modes:
+            ys = [by[(x, mode)][key] if (x, mode) in by else float("nan") for x in loads]
+            ax.plot(range(len(loads)), ys, marker="o", label=mode)
+        ax.set_xticks(range(len(loads)), loads)
+        ax.set_xlabel("load (c<N>: N clients; trace replays: share of ar's capacity)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("Goodput and tail latency under load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

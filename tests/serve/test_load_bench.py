@@ -1,0 +1,31 @@
+"""``calid bench load`` end to end on SmolLM2 (its own embedded Ray, so in a subprocess): every run completes,
+the report holds every mode at every load with ratios to ar, and the plot is written."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from serve_app.load_bench import DEFAULT_TRACE
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.model]
+
+
+def test_bench_load_small(tmp_path):
+    rates = ["--rates", "light,overload"] if DEFAULT_TRACE.is_file() else ["--rates", ""]
+    proc = subprocess.run([sys.executable, "-m", "calid.cli", "bench", "load", "--small", "--modes", "auto,speculative",
+                           "--concurrency", "1,2", "--trace-requests", "4", "--max-new-tokens", "6",
+                           "--port", "50164", "--out", str(tmp_path), *rates],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "load-small.json").read_text())
+    loads = ["c1", "c2"] + (["light", "overload"] if DEFAULT_TRACE.is_file() else [])
+    rows = {(r["load"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {(w, m) for w in loads for m in ("ar", "auto", "speculative")}
+    assert all(r["errors"] == 0 and r["tokens"] > 0 for r in rows.values())
+    assert all(rows[(w, "ar")]["goodput_vs_ar"] == 1.0 for w in loads if rows[(w, "ar")]["goodput_tok_s"] > 0)
+    assert rows[("c1", "speculative")]["draft_share"] > 0 and rows[("c1", "ar")]["draft_share"] == 0
+    assert (tmp_path / "load-small.png").stat().st_size > 10_000
+    assert "c1: auto" in proc.stderr
