@@ -117,7 +117,7 @@ class Engine:
 
     def _step(self, states: list[RequestState]) -> Iterator[StreamEvent]:
         orch = self.orchestrator
-        if self.drafter is not None and not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
+        if not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
             self.calibrate()
         tasks = orch.draft_tasks(states)
         start = time.perf_counter()

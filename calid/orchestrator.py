@@ -23,7 +23,7 @@ from typing import Hashable
 from calid.decoding.modes import DecodeParams
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import Acceptance, CostTable, PlanInput, plan_gammas
+from calid.planning import LOOKAHEAD, Acceptance, CostTable, Gain, PlanInput, plan_gammas
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -45,6 +45,7 @@ class Orchestrator:
         # the planner's inputs (auto mode): forward costs measured by the caller, acceptance per request
         self.verify_cost, self.draft_cost = CostTable(), CostTable()
         self._acceptance: dict[Hashable, Acceptance] = {}
+        self._lookahead_gain: dict[Hashable, Gain] = {}  # auto requests: what their Lookahead steps yield
         self._step_decode: dict[Hashable, DecodeParams] = {}  # auto requests: this step's effective mode
 
     # ---- admission ------------------------------------------------------------------
@@ -85,6 +86,7 @@ class Orchestrator:
 
     def _forget(self, request_id: Hashable) -> None:
         self._acceptance.pop(request_id, None)
+        self._lookahead_gain.pop(request_id, None)
         self._step_decode.pop(request_id, None)
 
     # ---- the planner's measurements -------------------------------------------------
@@ -111,20 +113,20 @@ class Orchestrator:
                 if self.decode_of(s).uses_draft and not s.prefilling]  # a draft is wasted while the target prefills
 
     def _plan(self, states: list[RequestState]) -> None:
-        """Auto requests: this step's draft length from the planner (0: a plain target step)."""
+        """Auto requests: this step's mode from the planner: a draft chain of some length (speculative, with a
+        draft model), a Lookahead step (drafts from the target's trie), or a plain target step (ar)."""
         auto = [s for s in states if s.req.decode.mode == "auto"]
         if not auto:
             return
-        if not self.has_draft:
-            for s in auto:
-                self._step_decode[s.req.request_id] = replace(s.req.decode, mode="ar")
-            return
         reqs = [PlanInput(self._acceptance.setdefault(s.req.request_id, Acceptance()).alpha,
-                          0 if s.prefilling else self._draft_budget(s, s.req.decode.gamma)) for s in auto]
-        gammas = plan_gammas(reqs, self.verify_cost, self.draft_cost, fixed_tokens=len(states) - len(auto))
-        for s, g in zip(auto, gammas):
-            self._step_decode[s.req.request_id] = (replace(s.req.decode, mode="speculative", gamma=g) if g
-                                                   else replace(s.req.decode, mode="ar"))
+                          0 if s.prefilling else self._draft_budget(s, s.req.decode.gamma),
+                          self._lookahead_gain.setdefault(s.req.request_id, Gain()).mean) for s in auto]
+        draft_cost = self.draft_cost if self.has_draft else CostTable()  # no draft model: no draft chains
+        gammas = plan_gammas(reqs, self.verify_cost, draft_cost, fixed_tokens=len(states) - len(auto))
+        for s, r, g in zip(auto, reqs, gammas):
+            mode = "lookahead" if g == LOOKAHEAD else "speculative" if g else "ar"
+            self._step_decode[s.req.request_id] = replace(s.req.decode, mode=mode,
+                                                          gamma=r.cap if g == LOOKAHEAD else g or s.req.decode.gamma)
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
@@ -156,8 +158,11 @@ class Orchestrator:
                 continue
             s.stats.target_calls += 1
             s.stats.record_verification(v.proposed, v.accepted, v.verifying)
-            if v.verifying and s.req.request_id in self._acceptance:
-                self._acceptance[s.req.request_id].observe(v.accepted, v.proposed)
+            rid = s.req.request_id
+            if s.req.decode.mode == "auto" and self.decode_of(s).mode == "lookahead":
+                self._lookahead_gain[rid].observe(v.accepted)
+            elif v.verifying and rid in self._acceptance:
+                self._acceptance[rid].observe(v.accepted, v.proposed)
             self._adapt(s, v.accepted, v.proposed)
             events += self._append(s, v.tokens, v.accepted, now)
         return events

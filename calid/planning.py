@@ -13,11 +13,14 @@ Terms:
   acceptance     a request's running estimate alpha of the chance that its next
                  draft token is accepted (i.i.d. model: after g draft tokens the
                  target yields (1 - alpha^(g+1)) / (1 - alpha) tokens on average);
-  plan           draft lengths g_i (0 = a plain target step) that maximise the
-                 expected tokens per second of the whole step:
-                   sum_i E_i(g_i) / (draft time + target time)
+  lookahead gain a request's running estimate of the draft tokens a Lookahead step
+                 (drafts from the target's n-gram trie, no draft model) gets accepted;
+  plan           per request a draft length g_i (0 = a plain target step) or LOOKAHEAD,
+                 maximising the expected tokens per second of the whole step:
+                   sum_i E_i / (draft time + target time)
+                 E_i = (1 - alpha^(g+1)) / (1 - alpha) for a draft chain, 1 + gain for Lookahead;
                  draft time = sum over depths d <= max g of draft_step(#requests with g_i >= d),
-                 target time = verify(sum_i (1 + g_i) tokens).
+                 target time = verify(sum_i (1 + g_i or 1 + Lookahead nodes) tokens).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import bisect
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.3  # weight of a new timing in a size's running estimate
+LOOKAHEAD = -1  # a plan entry: a Lookahead step instead of a draft chain
 
 
 @dataclass
@@ -84,6 +88,20 @@ class Acceptance:
         return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
 
 
+@dataclass
+class Gain:
+    """Running mean of draft tokens accepted per Lookahead step. The prior (half a token) makes an untried
+    Lookahead worth a try where verifying extra tokens is nearly free (a GPU) and no draft chain does better
+    (a fresh draft's prior acceptance, 0.5, promises about 2 tokens at gamma 6), and not where verifying costs
+    several decodes (a small CPU); the mean then follows what the trie actually yields."""
+
+    mean: float = 0.5
+    decay: float = 0.8
+
+    def observe(self, accepted: int) -> None:
+        self.mean = self.decay * self.mean + (1 - self.decay) * accepted
+
+
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Tokens a verification yields on average after ``gamma`` draft tokens (accepted + the target's one)."""
     if alpha >= 1.0:
@@ -94,31 +112,41 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 @dataclass(frozen=True)
 class PlanInput:
     alpha: float  # acceptance estimate
-    cap: int  # most draft tokens allowed (the request's gamma, its remaining budget)
+    cap: int  # most draft tokens allowed (the request's gamma, its remaining budget); also Lookahead's nodes
+    lookahead_gain: float | None = None  # expected accepted tokens of a Lookahead step; None: not an option
+
+
+def _tokens(r: PlanInput, g: int) -> float:
+    return 1.0 + r.lookahead_gain if g == LOOKAHEAD else expected_tokens(r.alpha, g)
 
 
 def step_rate(gammas: list[int], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
               fixed_tokens: int = 0) -> float:
     """Expected tokens per second of a step drafting ``gammas`` (``fixed_tokens``: other work in the forward)."""
-    tokens = sum(expected_tokens(r.alpha, g) for r, g in zip(reqs, gammas))
+    tokens = sum(_tokens(r, g) for r, g in zip(reqs, gammas))
     depth = max(gammas, default=0)
     draft = sum(draft_step(sum(g >= d for g in gammas)) for d in range(1, depth + 1))
-    seconds = draft + verify(fixed_tokens + sum(1 + g for g in gammas))
+    verified = sum(1 + (r.cap if g == LOOKAHEAD else g) for r, g in zip(reqs, gammas))
+    seconds = draft + verify(fixed_tokens + verified)
     return tokens / seconds if seconds > 0 else 0.0
 
 
 def plan_gammas(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int = 0,
                 passes: int = 2) -> list[int]:
-    """Draft lengths maximising ``step_rate`` (coordinate ascent from all-zero: a busy or slow-to-verify
-    target drafts nothing; an idle one with good acceptance drafts long)."""
+    """Draft lengths (or LOOKAHEAD) maximising ``step_rate`` (coordinate ascent from all-zero: a busy or
+    slow-to-verify target drafts nothing; an idle one with good acceptance drafts long). Draft chains are
+    options only with a draft cost known (a draft model), Lookahead only where ``lookahead_gain`` is given."""
     gammas = [0] * len(reqs)
-    if not verify.known or not draft_step.known:
+    if not verify.known:
         return gammas
     best = step_rate(gammas, reqs, verify, draft_step, fixed_tokens)
     for _ in range(passes):
         changed = False
         for i, r in enumerate(reqs):
-            for g in range(r.cap + 1):
+            options = list(range(r.cap + 1)) if draft_step.known else [0]
+            if r.lookahead_gain is not None and r.cap > 0:
+                options.append(LOOKAHEAD)
+            for g in options:
                 if g == gammas[i]:
                     continue
                 trial = gammas[:i] + [g] + gammas[i + 1:]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 COLUMNS = ["mode", "concurrency", "requests", "tokens", "grpc_tok_s", "inproc_tok_s", "ratio", "overhead_ms_p50",
-           "ingress_ms_p50", "per_step_ms_p50", "serving_ms_per_step", "same_tokens", "limit_tok_s"]
+           "ingress_ms_p50", "per_step_ms_p50", "serving_ms_per_step", "fwd_vs_inproc", "same_tokens", "limit_tok_s"]
 
 
 def add_parser(sub) -> None:
@@ -49,9 +49,10 @@ def _server_times(cfg) -> tuple[float, int, float]:
     return router["step_s"], router["steps"], forward
 
 
-def _serving_ms(cfg, before: tuple[float, int, float]) -> float:
+def _serving_ms(cfg, before: tuple[float, int, float], inproc_s: float) -> tuple[float, float]:
+    """(serving ms per router step, the workers' forward seconds / the in-process run's seconds)."""
     step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
-    return (step_s - forward) * 1000 / steps if steps else float("nan")
+    return ((step_s - forward) * 1000 / steps if steps else float("nan")), forward / inproc_s
 
 
 def run(args) -> int:
@@ -130,7 +131,8 @@ def run(args) -> int:
                 rows.append({"mode": mode, "concurrency": 1, "requests": n, "tokens": n * new,
                              "grpc_tok_s": n * new / t_grpc, "inproc_tok_s": n * new / t_local,
                              "ratio": t_local / t_grpc, "overhead_ms_p50": _p50(over), "ingress_ms_p50": _p50(ingress),
-                             "per_step_ms_p50": _p50(per_step), "serving_ms_per_step": _serving_ms(cfg, before),
+                             "per_step_ms_p50": _p50(per_step),
+                             **dict(zip(("serving_ms_per_step", "fwd_vs_inproc"), _serving_ms(cfg, before, t_local))),
                              "same_tokens": f"{same}/{n}", "limit_tok_s": limit1})
                 batch = ids[: args.concurrency]
                 t = time.perf_counter()
@@ -146,13 +148,13 @@ def run(args) -> int:
                 t = time.perf_counter()
                 remote_out = asyncio.run(burst())
                 t_grpc = time.perf_counter() - t
-                serving = _serving_ms(cfg, before)
+                serving, fwd = _serving_ms(cfg, before, t_local)
                 bar.update(1)
                 k = args.concurrency
                 rows.append({"mode": mode, "concurrency": k, "requests": k, "tokens": k * new,
                              "grpc_tok_s": k * new / t_grpc, "inproc_tok_s": k * new / t_local, "ratio": t_local / t_grpc,
                              "overhead_ms_p50": (t_grpc - t_local) * 1000, "ingress_ms_p50": "-", "per_step_ms_p50": "-",
-                             "serving_ms_per_step": serving,
+                             "serving_ms_per_step": serving, "fwd_vs_inproc": fwd,
                              "same_tokens": f"{sum(r.token_ids == o.output_ids for r, o in zip(remote_out, local_out))}/{k}",
                              "limit_tok_s": k * limit1})
     finally:
@@ -170,6 +172,9 @@ def run(args) -> int:
         "serving_ms_per_step = (the router's step time - the workers' forward time) / router steps, from the "
         "server's own counters: what serving adds to a decoding step (transport, router work), compute excluded "
         "(target: < 5 ms)",
+        "fwd_vs_inproc = the workers' forward time serving these requests / the in-process run's whole time: above "
+        "1, the served forwards themselves ran slower (on a small machine they share its cores with the client, "
+        "the gRPC proxy and the router)",
         f"limit = bandwidth {bandwidth:.1f} GB/s / target weight bytes per step {target.decode_read_bytes / 1e9:.2f} GB "
         "(x concurrency for a batch that reads the weights once per step)",
         "same_tokens counts greedy outputs identical token for token on both paths",

@@ -85,6 +85,19 @@ def expand_ids(task, held: list[int] | None):
     return replace(task, token_ids=held[:start] + task.token_ids, ids_from=0)
 
 
+def expand_all(tasks: list, held: dict) -> tuple[list, list]:
+    """A replica's side of a call: the tasks with full token ids (``held``: request id -> the ids it holds)
+    and the ids of the requests whose delta it cannot expand (the router resends those in full)."""
+    full, missing = [], []
+    for t in tasks:
+        expanded = expand_ids(t, held.get(t.request_id))
+        if expanded is None:
+            missing.append(t.request_id)
+        else:
+            full.append(expanded)
+    return full, missing
+
+
 class WorkerCalls:
     """``load()`` is the router's load report (queue, token rates) that rides along on every call."""
 

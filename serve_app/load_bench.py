@@ -6,7 +6,8 @@ machine hits all modes alike):
   light, capacity, overload
                 a replay of the Azure LLM inference trace 2023 (its first requests: arrival gaps and lengths)
                 scaled to 0.25x, 1x and 2x the request rate ar sustains at the highest concurrency (measured
-                in this run); prompts are windows of real text (HumanEval) cut to the trace's prompt lengths.
+                in this run), each for about --trace-seconds (so a replay holds rate x seconds requests, at
+                least 4); prompts are windows of real text (HumanEval) cut to the trace's prompt lengths.
 Prompt and output lengths are capped (--max-prompt-tokens, --max-new-tokens) to keep the default run near
 20 minutes on a 2-core CPU. Scores per mode and load: throughput, goodput (tokens of requests that met the
 SLO), TTFT and TPOT p50/p99 (calid.bench.load), goodput as a ratio to ar; a PNG plots goodput and p99 TPOT
@@ -35,7 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,"
                    "GeneratedTokens)")
-    p.add_argument("--trace-requests", type=int, default=24, help="requests replayed per rate (default 24)")
+    p.add_argument("--trace-seconds", type=float, default=45.0, help="length of each replay (default 45 s): "
+                   "rate x seconds requests, at least 4")
+    p.add_argument("--trace-requests", type=int, default=64, help="most requests one replay holds (default 64)")
     p.add_argument("--rates", default="light,capacity,overload", help=f"trace replays among {', '.join(RATES)}")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -61,8 +64,10 @@ def _options(args):
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     if not sweep or min(sweep) < 1 or any(r not in RATES for r in rates):
         raise CalidError(f"--concurrency takes counts >= 1 and --rates a subset of {', '.join(RATES)}")
-    if min(args.trace_requests, args.max_new_tokens, args.max_prompt_tokens) < 1 or args.slo_scale <= 0:
-        raise CalidError("--trace-requests, --max-new-tokens, --max-prompt-tokens and --slo-scale must be > 0")
+    if min(args.trace_requests, args.max_new_tokens, args.max_prompt_tokens) < 1 or min(args.slo_scale,
+                                                                                        args.trace_seconds) <= 0:
+        raise CalidError("--trace-requests, --trace-seconds, --max-new-tokens, --max-prompt-tokens and --slo-scale "
+                         "must be > 0")
     if rates and not Path(args.trace).is_file():
         raise CalidError(f"no trace at {args.trace}: pass --trace PATH, or --rates '' to skip the replays")
     return modes, sorted(set(sweep)), rates
@@ -92,7 +97,7 @@ def run(args) -> int:
     trace_prompts = [tokenizer.decode(ids) for ids in load.cut_prompts(corpus, [r.prompt_tokens for r in trace])]
     sweep_prompts = [tokenizer.decode(ids) for ids in load.cut_prompts(corpus, [args.max_prompt_tokens] * 64)]
     print(f"bench load: target {cfg.target}, draft {cfg.draft}; modes {modes}; concurrency {sweep}; trace "
-          f"{len(trace)} requests at {rates}; <= {args.max_prompt_tokens} prompt / {args.max_new_tokens} new tokens "
+          f"replays of ~{args.trace_seconds:g} s at {rates}; <= {args.max_prompt_tokens} prompt / {args.max_new_tokens} new tokens "
           f"(EOS ignored), greedy; {cpu_summary()}", file=sys.stderr)
     serve_app(cfg, dashboard=False)
     runs: dict[tuple[str, str], list] = {}
@@ -111,10 +116,13 @@ def run(args) -> int:
             ar_top = load.score(runs[(f"c{sweep[-1]}", "ar")], load.Slo(float("inf"), float("inf")))
             capacity_rps = ar_top["tok_s"] / statistics.mean(r.output_tokens for r in trace) if trace else 0.0
             for name in rates:
-                shaped = load.at_rate(trace, RATES[name] * capacity_rps)
+                rate = RATES[name] * capacity_rps
+                n = min(len(trace), max(4, round(rate * args.trace_seconds)))
+                shaped = load.at_rate(trace[:n], rate)
                 for mode in modes:
                     with _draft_share(cfg, shares, (name, mode)):
-                        runs[(name, mode)] = asyncio.run(_replay(address, cfg.app_name, mode, shaped, trace_prompts))
+                        runs[(name, mode)] = asyncio.run(_replay(address, cfg.app_name, mode, shaped,
+                                                                 trace_prompts[:n]))
                     bar.update(1)
     finally:
         shutdown()
@@ -130,7 +138,8 @@ def run(args) -> int:
         "goodput = output tokens/s of the requests that met the SLO (TTFT and TPOT); goodput_vs_ar: ratio to ar "
         "at the same load",
         "c<N>: N clients in a closed loop; light / capacity / overload: the trace replayed at 0.25x / 1x / 2x "
-        "the request rate ar sustains at the highest concurrency",
+        f"the request rate ar sustains at the highest concurrency, each for ~{args.trace_seconds:g} s (rate x "
+        "seconds requests, at least 4)",
         f"prompts: HumanEval text cut to the trace's prompt lengths (capped at {args.max_prompt_tokens} tokens); "
         f"outputs capped at {args.max_new_tokens} tokens",
         "draft_share = the router's time waiting for draft calls / its step time: the most that drafting the next "

@@ -155,7 +155,7 @@ class Router:
         if self.draft is not None:
             models.append(pb.ModelInfo(role="draft", name=self.cfg.draft, vocab_size=self.vocab_size,
                                        max_position=self.max_position))
-        modes = [m for m in MODES if self.draft is not None or m in ("ar", "lookahead")]
+        modes = [m for m in MODES if self.draft is not None or m in ("ar", "lookahead", "auto")]
         return pb.ListModelsResponse(models=models, modes=modes, default_mode=self.orch.default_decode.mode)
 
     async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
@@ -344,8 +344,7 @@ class Router:
 
     async def _step(self, states: list[RequestState]) -> None:
         self._steps += 1
-        if self.draft is not None and not self._calibrated and any(
-                s.req.decode.mode == "auto" for s in states):
+        if not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
             await self._calibrate()
         edge = [r for s in states if (r := self._requests.get(s.req.request_id)) is not None and r.edge]
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
@@ -403,7 +402,7 @@ class Router:
         self._calibrated = True
         try:
             verify = await self.target.costs.remote()
-            draft = await self.draft.costs.remote()
+            draft = await self.draft.costs.remote() if self.draft is not None else {}
         except Exception:  # a worker that cannot calibrate leaves auto requests on plain decoding
             log.exception("calid router: calibration failed")
             return

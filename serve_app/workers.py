@@ -23,7 +23,7 @@ from ray import serve
 from calid.backends import open_draft, open_model, pick_dtype
 from calid.workers import DraftWorker, TargetWorker
 from serve_app.autoscaling import DEMAND, PENDING, QUEUE
-from serve_app.calls import Reply, expand_ids
+from serve_app.calls import Reply, expand_all
 from serve_app.config import load_config
 from serve_app.metrics import WorkerMetrics
 
@@ -191,13 +191,7 @@ class _WorkerBase:
         """Expand the tasks' token-id deltas from what this replica holds, run them in the next forward, and
         answer with the requests whose delta could not be expanded (the router resends those in full)."""
         await self._enter(report)
-        full, missing = [], []
-        for t in tasks:
-            expanded = expand_ids(t, self._ids.get(t.request_id))
-            if expanded is None:
-                missing.append(t.request_id)
-            else:
-                full.append(expanded)
+        full, missing = expand_all(tasks, self._ids)
         self._pending += 1
         try:
             results = await self._batcher.submit(full) if full else []

@@ -16,8 +16,9 @@ class DecodeParams:
     """How one request uses the draft.
 
     mode          ar (target only) | filter | rollback | speculative | tree | lookahead |
-                  auto (lossless: each step the planner picks ar or speculative with a draft
-                  length from measured costs and the request's acceptance; calid.planning)
+                  auto (lossless: each step the planner picks ar, speculative with a draft
+                  length, or lookahead, from measured costs and the request's acceptance and
+                  lookahead yield; calid.planning)
     gamma         most draft tokens per target call (tree: length of the main branch;
                   lookahead: most tree nodes, capped by the trie's decoding length)
     tree_width    tree: tokens tried at an unconfident position (main + width-1 alternatives)
@@ -58,7 +59,7 @@ class DecodeParams:
 
     @property
     def uses_draft(self) -> bool:
-        """Needs a draft model (lookahead drafts from its trie instead; auto falls back to ar without one)."""
+        """Needs a draft model (lookahead drafts from its trie instead; auto without one picks ar or lookahead)."""
         return self.mode not in ("ar", "lookahead", "auto")
 
     @property

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from serve_helpers import Call
 
 from calid.workers.messages import VerifyTask
-from serve_app.calls import Reply, WorkerCalls, expand_ids
+from serve_app.calls import Reply, WorkerCalls, expand_all
 from serve_app.config import AppConfig
 
 
@@ -25,14 +25,8 @@ class _Replica:
 
     async def verify(self, tasks, report=None, replica=None):
         self.calls.append(tasks)
-        full, missing = [], []
-        for t in tasks:
-            f = expand_ids(t, self.held.get(t.request_id))
-            if f is None:
-                missing.append(t.request_id)
-            else:
-                full.append(f)
-                self.held[t.request_id] = f.token_ids
+        full, missing = expand_all(tasks, self.held)
+        self.held.update((t.request_id, t.token_ids) for t in full)
         return Reply(self.name, [(t.request_id, list(t.token_ids)) for t in full], missing)
 
 

@@ -242,3 +242,24 @@ def test_auto_drafts_long_for_an_idle_target_and_nothing_for_a_compute_bound_one
     res = run(busy, DecodeParams(mode="auto", gamma=6, threshold=0.0))
     assert [r.output_ids for r in res] == target_only
     assert all(r.stats.draft_tokens == 0 and r.stats.target_calls == 24 for r in res)
+
+
+def test_auto_without_a_draft_takes_lookahead_steps_where_they_pay_and_stays_lossless(tiny_model):
+    """No draft model: auto's options are ar and Lookahead. With verification nearly free and the continuation
+    in the prompt, it decodes in lookahead steps (few target calls); with verification costing a decode per
+    token, it runs plain ar steps. Greedy output equals ar either way."""
+    eng = engine(tiny_model, draft_layers=0)
+    first = eng.generate([GenerationRequest([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=30), decode=DecodeParams(mode="ar"))])[0]
+    prompt = [3, 1, 4, 1, 5] + first.output_ids + [3, 1, 4, 1, 5]
+    ar = eng.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24), decode=DecodeParams(mode="ar"))])[0]
+
+    def auto(verify):
+        e = engine(tiny_model, draft_layers=0)
+        _pinned_costs(e, verify=verify, draft={})
+        return e.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24),
+                                             decode=DecodeParams(mode="auto", gamma=8))])[0]
+
+    cheap = auto({1: 0.02, 32: 0.021})
+    assert cheap.output_ids == ar.output_ids and cheap.stats.target_calls < len(ar.output_ids) / 2
+    dear = auto({1: 0.02, 2: 0.04, 16: 0.32})
+    assert dear.output_ids == ar.output_ids and dear.stats.target_calls == len(ar.output_ids)

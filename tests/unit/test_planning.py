@@ -68,3 +68,29 @@ def test_expected_tokens_and_acceptance_estimate():
     for _ in range(20):
         a.observe(accepted=0, proposed=4)
     assert a.alpha < 0.5
+
+
+def test_lookahead_is_picked_where_verifying_is_nearly_free_and_its_trie_pays():
+    from calid.planning import LOOKAHEAD
+
+    la = PlanInput(alpha=0.5, cap=8, lookahead_gain=3.0)
+    assert plan_gammas([la], GPU_LIKE, CostTable()) == [LOOKAHEAD]  # no draft model: lookahead or ar
+    assert plan_gammas([la], CPU_LIKE, CostTable()) == [0]  # 9 tokens cost ~5 decodes: 4 tokens do not pay
+    assert plan_gammas([PlanInput(alpha=0.5, cap=8)], GPU_LIKE, CostTable()) == [0]  # not an option: ar
+    assert plan_gammas([PlanInput(alpha=0.5, cap=0, lookahead_gain=3.0)], GPU_LIKE, CostTable()) == [0]  # no room
+    # a good draft beats a poor trie, a rich trie beats a poor draft
+    assert plan_gammas([PlanInput(alpha=0.9, cap=8, lookahead_gain=0.2)], GPU_LIKE, CHEAP_DRAFT) == [8]
+    assert plan_gammas([PlanInput(alpha=0.1, cap=8, lookahead_gain=6.0)], GPU_LIKE, CHEAP_DRAFT) == [LOOKAHEAD]
+
+
+def test_lookahead_gain_follows_what_the_steps_yield():
+    from calid.planning import Gain
+
+    g = Gain()
+    assert g.mean == 0.5  # the prior: worth a try where verification is cheap
+    for _ in range(30):
+        g.observe(0)
+    assert g.mean < 0.01
+    for _ in range(30):
+        g.observe(5)
+    assert g.mean == pytest.approx(5, abs=0.01)
