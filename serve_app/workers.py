@@ -203,7 +203,8 @@ class _WorkerBase:
         return Reply(self.replica_id, results, missing)
 
     async def _forward(self, calls: list[list]) -> list[list]:
-        return await self._run_batch(self.worker.draft if self.role == "draft" else self.worker.verify, calls)
+        """One model pass over several calls' tasks (each deployment names its worker's method)."""
+        raise NotImplementedError
 
 
 @serve.deployment(name="draft", max_ongoing_requests=256)
@@ -221,6 +222,9 @@ class DraftDeployment(_WorkerBase):
     async def draft(self, tasks: list, report: dict | None = None, replica: str | None = None) -> Reply:
         """``replica``: the replica the router meant this call for (serve_app.routing); any replica serves it."""
         return await self._call(tasks, report)
+
+    async def _forward(self, calls: list[list]) -> list[list]:
+        return await self._run_batch(self.worker.draft, calls)
 
     def _release(self, request_ids, final_ids) -> None:
         self.worker.release(request_ids)
@@ -264,6 +268,9 @@ class TargetDeployment(_WorkerBase):
     async def verify(self, tasks: list, report: dict | None = None, replica: str | None = None) -> Reply:
         """``replica``: as in ``draft``."""
         return await self._call(tasks, report)
+
+    async def _forward(self, calls: list[list]) -> list[list]:
+        return await self._run_batch(self.worker.verify, calls)
 
     def _release(self, request_ids, final_ids) -> None:
         self.worker.release(request_ids, final_ids)
