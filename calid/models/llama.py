@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from calid.models.config import ModelConfig
+from calid.runtime.attention import attention_for
 from calid.runtime.batch import Batch
 
 
@@ -62,27 +63,17 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """``attend(layer, q, k, v)`` stores k/v in the batch's caches and returns attention [T, heads, head_dim]."""
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        # contiguous: from a strided split, rope's output may put tokens innermost, and SDPA's CPU flash kernel
+        # then falls back to its math path (a copy of K/V per query head: half the step at batch 16)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin).contiguous()
         k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        for s in batch.seqs:
-            s.cache.write(self.layer, s.past, k[s.start : s.end].transpose(0, 1), v[s.start : s.end].transpose(0, 1))
-            keys, values = s.cache.view(self.layer, s.past + s.q_len)
-            o = F.scaled_dot_product_attention(
-                q[s.start : s.end].transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
-                keys.unsqueeze(0),  # [1, KV, past+q, D]
-                values.unsqueeze(0),
-                attn_mask=s.attn_mask(),
-                is_causal=s.is_causal_from_zero and s.q_len > 1,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-            out[s.start : s.end] = o[0].transpose(0, 1)
-        return self.wo(out.view(T, q_size))
+        return self.wo(attend(self.layer, q, k, v).reshape(T, q_size))
 
 
 class MLP(nn.Module):
@@ -105,8 +96,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, batch: Batch) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, batch)
+    def forward(self, x, cos, sin, attend) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, attend)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -143,8 +134,9 @@ class LlamaModel(nn.Module):
         top = batch.max_position if batch.max_position is not None else int(batch.positions.max())  # host sync
         cos, sin = self.rotary.tables(top + 1, x.dtype, x.device)
         cos, sin = cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)
+        attend = attention_for(batch)
         for block in self.layers:
-            x = block(x, cos, sin, batch)
+            x = block(x, cos, sin, attend)
         return x
 
     def logits(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:

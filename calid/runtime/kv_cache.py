@@ -84,19 +84,10 @@ class KVCache:
         self.tokens = self.tokens[:start] + [self.tokens[r] for r in rows]
 
     def common_prefix(self, token_ids: list[int]) -> int:
-        """Length of the longest common prefix, by list comparisons (C speed) instead of a token loop:
-        one comparison in the common case (the cache is a prefix of the ids), else a binary search."""
-        n = min(len(self.tokens), len(token_ids))
-        if self.tokens[:n] == token_ids[:n]:
-            return n
-        lo, hi = 0, n - 1  # tokens[:lo] match; the first mismatch is at an index <= hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.tokens[:mid] == token_ids[:mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return common_prefix(self.tokens, token_ids)
+
+    def release(self) -> None:
+        """Nothing to give back: the buffers go with the object."""
 
     def _grow(self, capacity: int) -> None:
         heads, dim = self.shape
@@ -110,6 +101,22 @@ class KVCache:
                 else:
                     store.append(new)
         self.capacity = capacity
+
+
+def common_prefix(cached: list[int], token_ids: list[int]) -> int:
+    """Length of the longest common prefix, by list comparisons (C speed) instead of a token loop:
+    one comparison in the common case (the cache is a prefix of the ids), else a binary search."""
+    n = min(len(cached), len(token_ids))
+    if cached[:n] == token_ids[:n]:
+        return n
+    lo, hi = 0, n - 1  # cached[:lo] match; the first mismatch is at an index <= hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cached[:mid] == token_ids[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class KVCacheStore:
@@ -140,7 +147,9 @@ class KVCacheStore:
         return cache
 
     def drop(self, seq_id: Hashable) -> None:
-        self._caches.pop(seq_id, None)
+        cache = self._caches.pop(seq_id, None)
+        if cache is not None:
+            cache.release()
 
     @property
     def nbytes(self) -> int:
@@ -155,5 +164,7 @@ class KVCacheStore:
                 break
             if seq_id in pinned:
                 continue
-            total -= self._caches.pop(seq_id).charged_bytes
+            cache = self._caches.pop(seq_id)
+            total -= cache.charged_bytes
+            cache.release()
             self.evictions += 1
