@@ -79,30 +79,12 @@ def tiny_checkpoint(tiny_tied, tmp_path_factory):
 
     from safetensors.torch import save_file
 
-    cfg, m = tiny_tied.cfg, tiny_tied
-    state = {"model.embed_tokens.weight": m.embed.weight, "model.norm.weight": m.norm.weight}
-    for i, block in enumerate(m.layers):
-        hf = f"model.layers.{i}."
-        q, k, v = block.attn.wqkv.weight.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-        qb, kb, vb = block.attn.wqkv.bias.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-        gate, up = block.mlp.w_gate_up.weight.split([cfg.intermediate_size] * 2)
-        state.update({
-            hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
-            hf + "self_attn.q_proj.bias": qb, hf + "self_attn.k_proj.bias": kb, hf + "self_attn.v_proj.bias": vb,
-            hf + "self_attn.o_proj.weight": block.attn.wo.weight, hf + "mlp.gate_proj.weight": gate,
-            hf + "mlp.up_proj.weight": up, hf + "mlp.down_proj.weight": block.mlp.w_down.weight,
-            hf + "input_layernorm.weight": block.attn_norm.weight,
-            hf + "post_attention_layernorm.weight": block.mlp_norm.weight,
-        })
+    from calid.models.hf_export import hf_config, hf_state_dict
+
     path = tmp_path_factory.mktemp("tiny_checkpoint")
-    save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({
-        "model_type": cfg.model_type, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-    }))
+    save_file({k: v.detach().contiguous().clone() for k, v in hf_state_dict(tiny_tied).items()},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config(tiny_tied)))
     return path
 
 

@@ -1,4 +1,8 @@
-"""CUDA path: same greedy output on GPU as on CPU. Skips cleanly without a GPU."""
+"""CUDA path: every mode correct on the GPU. Skips cleanly without a GPU.
+
+Runs from a plain checkout with torch, transformers and pytest only: the SmolLM2 test needs the model
+pulled (``calid models pull``) and skips otherwise; the rest use seeded random weights.
+"""
 import pytest
 import torch
 
@@ -15,6 +19,14 @@ pytestmark = [
 ]
 
 
+def _smol_pulled() -> bool:
+    from calid.models.presets import TEST_MODEL
+    from calid.models.source import preset_status
+
+    return preset_status(TEST_MODEL) != "not pulled"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _smol_pulled(), reason="needs SmolLM2 pulled (no network)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_greedy_matches_cpu(smol, prompts, dtype):
     gpu_model = build_model(smol.config, load_state_dict(smol.path), dtype, "cuda")
@@ -55,3 +67,25 @@ def test_every_mode_on_cuda_keeps_one_device_and_greedy_equals_ar(tiny_model, te
 class _Tok:
     def decode(self, ids, **kw):
         return " ".join(map(str, ids))
+
+
+def test_every_lossless_mode_greedy_equals_ar_on_cuda_through_the_paged_runtime():
+    from calid.bench.gpu import check_greedy_modes
+
+    same = check_greedy_modes("cuda")
+    assert all(same.values()), same
+
+
+@pytest.mark.parametrize("mode", ["speculative", "tree"])
+def test_sampled_decoding_on_cuda_follows_the_target_distribution(mode):
+    from calid.bench.gpu import sampled_tv
+
+    tv_target, tv_draft = sampled_tv("cuda", mode)
+    assert tv_target < 0.05 and tv_draft > 0.2, (tv_target, tv_draft)
+
+
+def test_bench_gpu_runs_every_mode_beside_hf_generate(tmp_path):
+    from calid.bench.gpu import main
+
+    assert main(["--pair", "tiny", "--batches", "1,8", "--new-tokens", "8", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "gpu-tiny.json").is_file()

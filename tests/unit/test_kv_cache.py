@@ -1,6 +1,6 @@
 import torch
 
-from calid.runtime.kv_cache import KVCache, KVCacheStore
+from calid.runtime.kv_cache import NEAR_END, KVCache, KVCacheStore, common_prefix
 
 
 def make(capacity=2):
@@ -101,3 +101,21 @@ def test_common_prefix_matches_a_token_by_token_scan():
         ids = [rng.randrange(3) for _ in range(rng.randrange(12))]
         want = next((i for i, (a, b) in enumerate(zip(cache.tokens, ids)) if a != b), min(len(cache.tokens), len(ids)))
         assert cache.common_prefix(ids) == want, (cache.tokens, ids)
+
+
+def test_common_prefix_equals_a_token_loop_near_and_far_from_the_end():
+    import random
+
+    def loop(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 3 * NEAR_END))]
+        b = a[: rng.randint(0, len(a))] + [rng.randint(0, 3) for _ in range(rng.randint(0, NEAR_END))]
+        if b and rng.random() < 0.3:
+            b[rng.randrange(len(b))] = 9  # a mismatch anywhere, far from the end included
+        assert common_prefix(a, b) == loop(a, b)
