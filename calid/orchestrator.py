@@ -18,12 +18,12 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import replace
-from typing import Hashable
+from typing import Callable, Hashable
 
 from calid.decoding.modes import DecodeParams
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import LOOKAHEAD, Acceptance, CostTable, Gain, PlanInput, plan_gammas
+from calid.planning import Acceptance, CostTable, Gain, PlanInput, plan_steps
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -42,10 +42,15 @@ class Orchestrator:
         self.default_decode = default_decode or DecodeParams(mode="auto" if has_draft else "ar")
         self.active: dict[Hashable, RequestState] = {}
         self._ids = itertools.count()
-        # the planner's inputs (auto mode): forward costs measured by the caller, acceptance per request
+        # the planner's inputs (auto mode): forward costs measured by the caller, acceptance per request.
+        # verify_cost pools every target forward; a server with several target replicas also keeps one table per
+        # replica (seeded from the pooled one) and says, through replica_of, which replica holds a request
         self.verify_cost, self.draft_cost = CostTable(), CostTable()
+        self.replica_costs: dict[Hashable, CostTable] = {}
+        self.replica_of: Callable[[Hashable], Hashable | None] = lambda request_id: None
         self._acceptance: dict[Hashable, Acceptance] = {}
         self._lookahead_gain: dict[Hashable, Gain] = {}  # auto requests: what their Lookahead steps yield
+        self._tree_acceptance: dict[Hashable, Acceptance] = {}  # auto requests: how their token trees fare
         self._step_decode: dict[Hashable, DecodeParams] = {}  # auto requests: this step's effective mode
 
     # ---- admission ------------------------------------------------------------------
@@ -87,13 +92,23 @@ class Orchestrator:
     def _forget(self, request_id: Hashable) -> None:
         self._acceptance.pop(request_id, None)
         self._lookahead_gain.pop(request_id, None)
+        self._tree_acceptance.pop(request_id, None)
         self._step_decode.pop(request_id, None)
 
     # ---- the planner's measurements -------------------------------------------------
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        """A target forward over ``tokens`` new tokens took ``seconds`` (caller-measured, transport included)."""
+    def observe_verify(self, tokens: int, seconds: float, replica: Hashable | None = None) -> None:
+        """A target forward over ``tokens`` new tokens took ``seconds`` (caller-measured, transport included),
+        on ``replica`` (None: the only one)."""
+        if replica is not None:
+            pooled = self.verify_cost
+            table = self.replica_costs.setdefault(replica, CostTable(list(pooled.sizes), list(pooled.seconds)))
+            table.observe(tokens, seconds)
         self.verify_cost.observe(tokens, seconds)
+
+    def verify_cost_of(self, replica: Hashable | None) -> CostTable:
+        """The cost table for a target forward on ``replica`` (the pooled one until that replica is timed)."""
+        return self.verify_cost if replica is None else self.replica_costs.get(replica, self.verify_cost)
 
     def observe_draft(self, sequences: int, depth: int, seconds: float) -> None:
         """A draft call over ``sequences`` requests ``depth`` forwards deep took ``seconds``."""
@@ -113,20 +128,35 @@ class Orchestrator:
                 if self.decode_of(s).uses_draft and not s.prefilling]  # a draft is wasted while the target prefills
 
     def _plan(self, states: list[RequestState]) -> None:
-        """Auto requests: this step's mode from the planner: a draft chain of some length (speculative, with a
-        draft model), a Lookahead step (drafts from the target's trie), or a plain target step (ar)."""
-        auto = [s for s in states if s.req.decode.mode == "auto"]
-        if not auto:
+        """Auto requests: this step's mode from the planner: a draft chain of some length (speculative) or a
+        token tree (both with a draft model), a Lookahead step (drafts from the target's trie), or a plain
+        target step (ar). Requests are planned by the target replica that holds them, each group with that
+        replica's costs and beside that replica's other work (replicas run their forwards side by side)."""
+        if not any(s.req.decode.mode == "auto" for s in states):
             return
-        reqs = [PlanInput(self._acceptance.setdefault(s.req.request_id, Acceptance()).alpha,
-                          0 if s.prefilling else self._draft_budget(s, s.req.decode.gamma),
-                          self._lookahead_gain.setdefault(s.req.request_id, Gain()).mean) for s in auto]
-        draft_cost = self.draft_cost if self.has_draft else CostTable()  # no draft model: no draft chains
-        gammas = plan_gammas(reqs, self.verify_cost, draft_cost, fixed_tokens=len(states) - len(auto))
-        for s, r, g in zip(auto, reqs, gammas):
-            mode = "lookahead" if g == LOOKAHEAD else "speculative" if g else "ar"
-            self._step_decode[s.req.request_id] = replace(s.req.decode, mode=mode,
-                                                          gamma=r.cap if g == LOOKAHEAD else g or s.req.decode.gamma)
+        draft_cost = self.draft_cost if self.has_draft else CostTable()  # no draft model: no chains or trees
+        by_replica: dict[Hashable | None, list[RequestState]] = {}
+        for s in states:
+            by_replica.setdefault(self.replica_of(s.req.request_id), []).append(s)
+        for replica, group in by_replica.items():
+            auto = [s for s in group if s.req.decode.mode == "auto"]
+            if not auto:
+                continue
+            plan = plan_steps([self._plan_input(s) for s in auto], self.verify_cost_of(replica), draft_cost,
+                              fixed_tokens=len(group) - len(auto))
+            for s, c in zip(auto, plan):
+                self._step_decode[s.req.request_id] = replace(s.req.decode, mode=c.mode,
+                                                              gamma=c.gamma or s.req.decode.gamma)
+
+    def _plan_input(self, s: RequestState) -> PlanInput:
+        rid, decode = s.req.request_id, s.req.decode
+        # an untried tree starts a little above a chain's prior (it also tries the draft's next-best tokens
+        # where it is unsure), so it gets tried where verifying its extra tokens is nearly free
+        tree = self._tree_acceptance.setdefault(rid, Acceptance(accepted=1.0)) if self.has_draft else None
+        return PlanInput(self._acceptance.setdefault(rid, Acceptance()).alpha,
+                         0 if s.prefilling else self._draft_budget(s, decode.gamma),
+                         self._lookahead_gain.setdefault(rid, Gain()).mean,
+                         tree.alpha if tree else None, decode.tree_width, decode.tree_chains)
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
@@ -159,8 +189,11 @@ class Orchestrator:
             s.stats.target_calls += 1
             s.stats.record_verification(v.proposed, v.accepted, v.verifying)
             rid = s.req.request_id
-            if s.req.decode.mode == "auto" and self.decode_of(s).mode == "lookahead":
+            step_mode = self.decode_of(s).mode if s.req.decode.mode == "auto" else None
+            if step_mode == "lookahead":
                 self._lookahead_gain[rid].observe(v.accepted)
+            elif step_mode == "tree" and rid in self._tree_acceptance:
+                self._tree_acceptance[rid].observe(v.accepted, v.proposed)
             elif v.verifying and rid in self._acceptance:
                 self._acceptance[rid].observe(v.accepted, v.proposed)
             self._adapt(s, v.accepted, v.proposed)

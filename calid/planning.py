@@ -15,12 +15,19 @@ Terms:
                  target yields (1 - alpha^(g+1)) / (1 - alpha) tokens on average);
   lookahead gain a request's running estimate of the draft tokens a Lookahead step
                  (drafts from the target's n-gram trie, no draft model) gets accepted;
-  plan           per request a draft length g_i (0 = a plain target step) or LOOKAHEAD,
-                 maximising the expected tokens per second of the whole step:
+  tree acceptance a request's running estimate of the chance that a depth of its token tree
+                 holds the target's token (the draft's top-1 plus, where the draft is unsure,
+                 its next-best tokens as siblings); a tree verifies more tokens than a chain
+  plan           per request a Choice: a plain target step (ar), a draft chain of g tokens
+                 (speculative), a token tree g deep (tree) or a Lookahead step, maximising
+                 the expected tokens per second of the whole step:
                    sum_i E_i / (draft time + target time)
-                 E_i = (1 - alpha^(g+1)) / (1 - alpha) for a draft chain, 1 + gain for Lookahead;
-                 draft time = sum over depths d <= max g of draft_step(#requests with g_i >= d),
-                 target time = verify(sum_i (1 + g_i or 1 + Lookahead nodes) tokens).
+                 E_i = (1 - a^(g+1)) / (1 - a) for a chain (a = alpha) or a tree (a = its
+                 acceptance), 1 + gain for Lookahead, 1 for ar;
+                 draft time = sum over depths d of draft_step(draft lanes at depth d: one per
+                 chain, tree_chains per tree, over the requests drafting d or more deep),
+                 target time = verify(sum_i tokens verified: 1 + g for a chain,
+                 1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead).
 """
 from __future__ import annotations
 
@@ -28,7 +35,6 @@ import bisect
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.3  # weight of a new timing in a size's running estimate
-LOOKAHEAD = -1  # a plan entry: a Lookahead step instead of a draft chain
 
 
 @dataclass
@@ -110,49 +116,154 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """What one request does this step: ``mode`` ar | speculative | tree | lookahead; ``gamma`` the draft depth
+    (speculative, tree) or Lookahead's trie nodes."""
+
+    mode: str = "ar"
+    gamma: int = 0
+
+
+AR = Choice()
+
+
+@dataclass(frozen=True)
 class PlanInput:
-    alpha: float  # acceptance estimate
+    alpha: float  # acceptance estimate of a draft chain
     cap: int  # most draft tokens allowed (the request's gamma, its remaining budget); also Lookahead's nodes
     lookahead_gain: float | None = None  # expected accepted tokens of a Lookahead step; None: not an option
+    tree_alpha: float | None = None  # acceptance estimate of a token tree's depth; None: not an option
+    tree_width: int = 3  # tokens a tree tries where the draft is unsure (its siblings: width - 1)
+    tree_chains: int = 1  # draft chains a tree grows (draft lanes per depth)
+
+    def options(self, drafts: bool) -> list[Choice]:
+        """Every choice open to this request (``drafts``: a draft model's cost is known)."""
+        out = [AR]
+        if drafts:
+            out += [Choice("speculative", g) for g in range(1, self.cap + 1)]
+            if self.tree_alpha is not None:
+                out += [Choice("tree", g) for g in range(1, self.cap + 1)]
+        if self.lookahead_gain is not None and self.cap > 0:
+            out.append(Choice("lookahead", self.cap))
+        return out
+
+    def tokens(self, c: Choice) -> float:
+        """Tokens this choice yields on average."""
+        if c.mode == "speculative":
+            return expected_tokens(self.alpha, c.gamma)
+        if c.mode == "tree":
+            return expected_tokens(self.tree_alpha, c.gamma)
+        return 1.0 + self.lookahead_gain if c.mode == "lookahead" else 1.0
+
+    def verified(self, c: Choice) -> int:
+        """Tokens the target's forward takes for this choice."""
+        if c.mode == "tree":
+            return 1 + c.gamma * self.tree_chains + self.tree_width - 1
+        return 1 + c.gamma
+
+    def lanes(self, c: Choice) -> int:
+        """Draft lanes per depth, down to ``c.gamma``."""
+        return 1 if c.mode == "speculative" else self.tree_chains if c.mode == "tree" else 0
 
 
-def _tokens(r: PlanInput, g: int) -> float:
-    return 1.0 + r.lookahead_gain if g == LOOKAHEAD else expected_tokens(r.alpha, g)
+class _Step:
+    """A step's totals under a plan (expected tokens, verified tokens, draft lanes by depth), kept up to date
+    as single requests change their choice, with the costs memoised by size (whole tokens and lanes)."""
+
+    def __init__(self, reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int,
+                 plan: list[Choice]):
+        self.reqs, self.fixed = reqs, fixed_tokens
+        self._verify, self._draft_step = verify, draft_step
+        self._verify_memo: dict[int, float] = {}
+        self._draft_memo: dict[int, float] = {0: 0.0}
+        self.plan, self.tokens, self.verified = list(plan), 0.0, fixed_tokens
+        self.lanes = [0] * max([c.gamma for c in plan] + [r.cap for r in reqs] + [0])
+        for i, c in enumerate(plan):
+            self._add(i, c, +1)
+
+    def verify(self, tokens: int) -> float:
+        if tokens not in self._verify_memo:
+            self._verify_memo[tokens] = self._verify(tokens)
+        return self._verify_memo[tokens]
+
+    def draft(self, lanes: int) -> float:
+        if lanes not in self._draft_memo:
+            self._draft_memo[lanes] = self._draft_step(lanes)
+        return self._draft_memo[lanes]
+
+    def _add(self, i: int, c: Choice, sign: int) -> None:
+        r = self.reqs[i]
+        self.tokens += sign * r.tokens(c)
+        self.verified += sign * r.verified(c)
+        if k := r.lanes(c):
+            for d in range(c.gamma):
+                self.lanes[d] += sign * k
+
+    def rate(self) -> float:
+        seconds = sum(self.draft(n) for n in self.lanes) + self.verify(self.verified)
+        return self.tokens / seconds if seconds > 0 else 0.0
+
+    def choose(self, i: int, options: list[Choice]) -> float:
+        """Give request ``i`` its best option with the others' choices fixed; return the step's rate. Every
+        option costs O(1) after O(depth) prefix sums of what more draft lanes cost at each depth."""
+        r = self.reqs[i]
+        self._add(i, self.plan[i], -1)
+        base = sum(self.draft(n) for n in self.lanes)
+        extra: dict[int, list[float]] = {}  # lanes per depth -> extra draft time down to each depth
+        best, choice = -1.0, self.plan[i]
+        for c in options:
+            k = r.lanes(c)
+            if k and k not in extra:
+                acc, sums = 0.0, [0.0]
+                for n in self.lanes:
+                    acc += self.draft(n + k) - self.draft(n)
+                    sums.append(acc)
+                extra[k] = sums
+            seconds = base + (extra[k][c.gamma] if k else 0.0) + self.verify(self.verified + r.verified(c))
+            rate = (self.tokens + r.tokens(c)) / seconds if seconds > 0 else 0.0
+            if rate > best * (1 + 1e-9) or (c == self.plan[i] and rate >= best):
+                best, choice = rate, c
+        self.plan[i] = choice
+        self._add(i, choice, +1)
+        return best
 
 
-def step_rate(gammas: list[int], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
+def step_rate(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
               fixed_tokens: int = 0) -> float:
-    """Expected tokens per second of a step drafting ``gammas`` (``fixed_tokens``: other work in the forward)."""
-    tokens = sum(_tokens(r, g) for r, g in zip(reqs, gammas))
-    depth = max(gammas, default=0)
-    draft = sum(draft_step(sum(g >= d for g in gammas)) for d in range(1, depth + 1))
-    verified = sum(1 + (r.cap if g == LOOKAHEAD else g) for r, g in zip(reqs, gammas))
-    seconds = draft + verify(fixed_tokens + verified)
-    return tokens / seconds if seconds > 0 else 0.0
+    """Expected tokens per second of a step under ``plan`` (``fixed_tokens``: other work in the forward)."""
+    return _Step(reqs, verify, draft_step, fixed_tokens, plan).rate()
 
 
-def plan_gammas(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int = 0,
-                passes: int = 2) -> list[int]:
-    """Draft lengths (or LOOKAHEAD) maximising ``step_rate`` (coordinate ascent from all-zero: a busy or
-    slow-to-verify target drafts nothing; an idle one with good acceptance drafts long). Draft chains are
-    options only with a draft cost known (a draft model), Lookahead only where ``lookahead_gain`` is given."""
-    gammas = [0] * len(reqs)
-    if not verify.known:
-        return gammas
-    best = step_rate(gammas, reqs, verify, draft_step, fixed_tokens)
+def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int = 0,
+               passes: int = 2) -> list[Choice]:
+    """Per request the Choice maximising ``step_rate``. Starts from the best plan that gives every request the
+    same choice (a batched draft step costs about as much for one lane as for many, so drafting often pays
+    only when many requests draft together), then improves one request at a time. A busy or slow-to-verify
+    target drafts nothing; an idle one with good acceptance drafts long. Draft chains and trees are options
+    only with a draft cost known (a draft model), trees and Lookahead only where their estimates are given."""
+    if not verify.known or not reqs:
+        return [AR] * len(reqs)
+    options = [r.options(draft_step.known) for r in reqs]
+    offered = [set(opts) for opts in options]
+    kinds = sorted(set().union(*offered), key=_order)
+    uniform = [[c if c in offer else _nearest(c, opts) for opts, offer in zip(options, offered)] for c in kinds]
+    plan = max(uniform, key=lambda p: step_rate(p, reqs, verify, draft_step, fixed_tokens))
+    step = _Step(reqs, verify, draft_step, fixed_tokens, plan)
     for _ in range(passes):
-        changed = False
-        for i, r in enumerate(reqs):
-            options = list(range(r.cap + 1)) if draft_step.known else [0]
-            if r.lookahead_gain is not None and r.cap > 0:
-                options.append(LOOKAHEAD)
-            for g in options:
-                if g == gammas[i]:
-                    continue
-                trial = gammas[:i] + [g] + gammas[i + 1:]
-                rate = step_rate(trial, reqs, verify, draft_step, fixed_tokens)
-                if rate > best * (1 + 1e-9):
-                    best, gammas, changed = rate, trial, True
-        if not changed:
+        before = list(step.plan)
+        for i in range(len(reqs)):
+            step.choose(i, options[i])
+        if step.plan == before:
             break
-    return gammas
+    return step.plan
+
+
+def _order(c: Choice) -> tuple[int, int]:
+    """Ties go to the simplest choice: ar, then chains, trees and Lookahead, shallow before deep."""
+    return ("ar", "speculative", "tree", "lookahead").index(c.mode), c.gamma
+
+
+def _nearest(c: Choice, options: list[Choice]) -> Choice:
+    """The same kind of choice as deep as ``options`` allow, else ar."""
+    same = [o for o in options if o.mode == c.mode and o.gamma <= c.gamma]
+    return max(same, key=lambda o: o.gamma, default=AR)

@@ -112,6 +112,7 @@ class WorkerCalls:
         self.sent = Counter()  # calls sent, by role
         self.fanout = Counter()  # the most replicas one step's calls of a role went to (at most the replicas)
         self.seconds = Counter()  # time spent waiting for calls, by role
+        self.timed: dict[str, list[tuple[str | None, list, Reply, float]]] = {"draft": [], "target": []}
 
     def report(self) -> dict:
         horizon = time.monotonic() - RELEASE_ECHO_S
@@ -197,10 +198,14 @@ class WorkerCalls:
             self.fanout[role] = max(self.fanout[role], len(placed))
             calls = [self._send(role, handle, method, where, [self._delta(role, t, where) for t in group], report)
                      for where, group in placed.items()]
+            timed = self.timed[role] = []
             try:
-                replies = await asyncio.wait_for(asyncio.gather(*calls), self.cfg.worker_call_timeout_s)
+                replies = await asyncio.wait_for(asyncio.gather(*(_timed(c, g, timed) for c, g in
+                                                                  zip(calls, placed.values()))),
+                                                 self.cfg.worker_call_timeout_s)
                 resend = self._settle(role, placed, replies)
                 if resend:  # replicas that lacked a delta's head: the full ids, once more
+                    timed.clear()  # those replicas' times cover only part of the step's work
                     calls = [self._send(role, handle, method, where, group, report) for where, group in resend.items()]
                     more = await asyncio.wait_for(asyncio.gather(*calls), self.cfg.worker_call_timeout_s)
                     self._settle(role, resend, more)
@@ -240,6 +245,10 @@ class WorkerCalls:
                 else:
                     held[t.request_id] = (reply.replica, len(t.token_ids))
         return resend
+
+    def replica_of(self, role: str, request_id: str) -> str | None:
+        """The replica of ``role`` that holds ``request_id`` (None: not placed yet)."""
+        return self._pins[role].get(request_id)
 
     def _forget(self, role: str, request_ids) -> None:
         for rid in request_ids:
@@ -285,6 +294,14 @@ class WorkerCalls:
                 else:
                     handle.release.remote(ids, replica=where)
         self._released.extend((now, s.req.request_id) for s in done)
+
+
+async def _timed(call, tasks: list, into: list):
+    """Await one replica's call and note (replica, its tasks, its reply, seconds): the per-replica cost model."""
+    start = time.perf_counter()
+    reply = await call
+    into.append((reply.replica, tasks, reply, time.perf_counter() - start))
+    return reply
 
 
 def _cancel(calls: list) -> None:

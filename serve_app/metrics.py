@@ -30,8 +30,9 @@ class RouterMetrics:
         self.active = metrics.Gauge("calid_active_requests", "requests decoding")
         self.forward_cost = metrics.Gauge("calid_forward_cost_ms", "the router's cost model (the auto planner's "
                                           "input): a target forward of <size> tokens, a draft step of <size> "
-                                          "sequences; calibrated at start, refreshed from live timings",
-                                          tag_keys=("role", "size"))
+                                          "sequences; calibrated at start, refreshed from live timings; "
+                                          "target_replica: the target replica it times (all: pooled)",
+                                          tag_keys=("role", "size", "target_replica"))
         self.ttft = metrics.Histogram("calid_ttft_ms", "time to first token at the router",
                                       boundaries=LATENCY_MS, tag_keys=("mode",))
         self.tpot = metrics.Histogram("calid_tpot_ms", "time per output token after the first",
@@ -52,12 +53,16 @@ class RouterMetrics:
         if len(result.output_ids) > 1:
             self.tpot.observe((result.total_s - result.ttft_s) * 1000 / (len(result.output_ids) - 1), tags=tags)
 
-    def costs(self, verify, draft) -> None:
-        """Export the cost model (calid.planning.CostTable of each role) at a few sizes."""
-        for role, table, sizes in (("target", verify, (1, 4, 16, 64)), ("draft", draft, (1, 8, 32))):
+    def costs(self, verify, draft, replicas: dict | None = None) -> None:
+        """Export the cost model (calid.planning.CostTable of each role, and of each target replica) at a few
+        sizes."""
+        tables = [("target", "all", verify, (1, 4, 16, 64)), ("draft", "all", draft, (1, 8, 32))]
+        tables += [("target", str(r), t, (1, 4, 16, 64)) for r, t in (replicas or {}).items()]
+        for role, replica, table, sizes in tables:
             if table.known:
                 for n in sizes:
-                    self.forward_cost.set(table(n) * 1000, tags={"role": role, "size": str(n)})
+                    self.forward_cost.set(table(n) * 1000,
+                                          tags={"role": role, "size": str(n), "target_replica": replica})
 
     def failed(self, mode: str, code: str) -> None:
         self.requests.inc(tags={"mode": mode, "code": code})

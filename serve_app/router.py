@@ -104,6 +104,7 @@ class Router:
         self._draining = False
         self.calls = WorkerCalls(self.cfg, draft, target, self._id,
                                  lambda: {"queued": float(len(self._waiting)), **self._rates.snapshot()})
+        self.orch.replica_of = lambda rid: self.calls.replica_of("target", rid)  # the planner's cost per replica
 
     # ---- gRPC methods -------------------------------------------------------------
 
@@ -350,27 +351,27 @@ class Router:
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
                   for r in edge for s in [self.orch.active[r.req.request_id]]}
         tasks = self.orch.draft_tasks([s for s in states if s.req.request_id not in before])
-        start = time.perf_counter()
         drafts, failed = await self.calls.call("draft", tasks) if tasks else ([], {})
         states = self._drop_failed(states, failed)
-        if drafts:
-            self.orch.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
+        for _, group, reply, seconds in self.calls.timed["draft"] if drafts else ():  # a draft step per replica
+            if reply.results:
+                self.orch.observe_draft(len(group), max(d.forwards for d in reply.results), seconds)
         drafts += [self._edge_draft(r) for r in edge]  # the clients' own drafts
         events, verify = self.orch.after_draft(states, drafts)
         self._deliver(events)
         if verify:
             self._max_escalation = max(self._max_escalation, len(verify))
             self._metrics.escalation_batch.observe(len(verify))
-            start = time.perf_counter()
             results, failed = await self.calls.call("target", verify)
             states = self._drop_failed(states, failed)
             if all(s.stats.target_calls for s in states) and not failed:  # decode steps only: a prefill's size is unknown here
-                self.orch.observe_verify(sum(1 + len(t.draft) for t in verify), time.perf_counter() - start)
+                for replica, group, _, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
+                    self.orch.observe_verify(sum(1 + len(t.draft) for t in group), seconds, replica)
             self._deliver(self.orch.after_verify(results))
         self._end_rounds(edge, before)
         self._count_tokens(states)
         if self._steps % COST_EXPORT_STEPS == 1:
-            self._metrics.costs(self.orch.verify_cost, self.orch.draft_cost)
+            self._metrics.costs(self.orch.verify_cost, self.orch.draft_cost, self.orch.replica_costs)
 
     def _edge_draft(self, r: _Request):
         """The DraftResult of an edge request's round (calid.edge.round_draft)."""

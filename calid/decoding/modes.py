@@ -17,8 +17,8 @@ class DecodeParams:
 
     mode          ar (target only) | filter | rollback | speculative | tree | lookahead |
                   auto (lossless: each step the planner picks ar, speculative with a draft
-                  length, or lookahead, from measured costs and the request's acceptance and
-                  lookahead yield; calid.planning)
+                  length, tree with a depth, or lookahead, from measured costs and the request's
+                  chain and tree acceptance and lookahead yield; calid.planning)
     gamma         most draft tokens per target call (tree: length of the main branch;
                   lookahead: most tree nodes, capped by the trie's decoding length)
     tree_width    tree: tokens tried at an unconfident position (main + width-1 alternatives)

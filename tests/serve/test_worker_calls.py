@@ -88,6 +88,11 @@ def test_new_requests_spread_over_the_running_replicas_one_call_per_replica():
     assert [len(r.calls) for r in replicas] == [1, 1, 1]  # one call each...
     assert [len(r.calls[0]) for r in replicas] == [2, 2, 2]  # ...of two requests each
     assert calls.sent["target"] == 3
+    # each replica's call is timed on its own, with its own tasks: the planner's cost model per replica
+    timed = sorted((replica, sorted(t.request_id for t in group)) for replica, group, _, _ in calls.timed["target"])
+    assert timed == [(r.name, sorted(t.request_id for t in r.calls[0])) for r in replicas]
+    assert all(seconds >= 0 for *_, seconds in calls.timed["target"])
+    assert all(calls.replica_of("target", f"r{i}") in "abc" for i in range(6))
 
 
 def test_ids_travel_as_a_delta_and_a_replica_that_lost_them_gets_them_in_full():

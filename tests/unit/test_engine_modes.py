@@ -263,3 +263,29 @@ def test_auto_without_a_draft_takes_lookahead_steps_where_they_pay_and_stays_los
     assert cheap.output_ids == ar.output_ids and cheap.stats.target_calls < len(ar.output_ids) / 2
     dear = auto({1: 0.02, 2: 0.04, 16: 0.32})
     assert dear.output_ids == ar.output_ids and dear.stats.target_calls == len(ar.output_ids)
+
+
+def test_auto_grows_token_trees_where_they_verify_nearly_free_and_stays_lossless(tiny_model, target_only):
+    """A one-layer draft of the tiny model is often unsure; with verification nearly free, auto tries token
+    trees (its options: ar, chains, trees) and keeps them where they are accepted. Greedy output equals ar."""
+    eng = engine(tiny_model, draft_layers=1)
+    _pinned_costs(eng, verify={1: 0.02, 64: 0.021}, draft={1: 0.001, 8: 0.0011})
+    orch, chosen = eng.orchestrator, []
+    plan = orch._plan
+
+    def recording(states):
+        plan(states)
+        chosen.extend(orch.decode_of(s).mode for s in states if s.req.decode.mode == "auto")
+
+    orch._plan = recording
+    res = run(eng, DecodeParams(mode="auto", gamma=6))
+    assert [r.output_ids for r in res] == target_only
+    assert "tree" in chosen and set(chosen) <= {"ar", "speculative", "tree", "lookahead"}
+
+    chosen.clear()
+    sampled = run(eng, DecodeParams(mode="auto", gamma=6), temperature=0.8, seed=7)
+    assert "tree" in chosen and all(len(r.output_ids) == 24 for r in sampled)
+    again = engine(tiny_model, draft_layers=1)
+    _pinned_costs(again, verify={1: 0.02, 64: 0.021}, draft={1: 0.001, 8: 0.0011})
+    assert [r.output_ids for r in run(again, DecodeParams(mode="auto", gamma=6), temperature=0.8, seed=7)] == \
+        [r.output_ids for r in sampled]  # per-request plans and acceptance estimates: the same seed, the same text

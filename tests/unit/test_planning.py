@@ -1,7 +1,7 @@
 """The step planner with hand-built cost models: when drafting pays and when it does not."""
 import pytest
 
-from calid.planning import Acceptance, CostTable, PlanInput, expected_tokens, plan_gammas, step_rate
+from calid.planning import AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, plan_steps, step_rate
 
 
 def table(points: dict[int, float]) -> CostTable:
@@ -16,38 +16,46 @@ CPU_LIKE = table({1: 0.036, 2: 0.060, 4: 0.095, 8: 0.173, 16: 0.219})  # llama.c
 CHEAP_DRAFT = table({1: 0.002, 16: 0.004})
 
 
+def spec(g: int) -> Choice:
+    return Choice("speculative", g)
+
+
+def depths(plan: list[Choice]) -> list[int]:
+    return [c.gamma if c.mode == "speculative" else 0 for c in plan]
+
+
 def test_idle_target_and_high_acceptance_drafts_long():
-    assert plan_gammas([PlanInput(alpha=0.9, cap=8)], GPU_LIKE, CHEAP_DRAFT) == [8]
+    assert plan_steps([PlanInput(alpha=0.9, cap=8)], GPU_LIKE, CHEAP_DRAFT) == [spec(8)]
 
 
 def test_low_acceptance_drafts_short_or_nothing():
-    g = plan_gammas([PlanInput(alpha=0.2, cap=8)], GPU_LIKE, CHEAP_DRAFT)[0]
-    assert g <= 1
+    c = plan_steps([PlanInput(alpha=0.2, cap=8)], GPU_LIKE, CHEAP_DRAFT)[0]
+    assert c.mode in ("ar", "speculative") and c.gamma <= 1
 
 
 def test_a_compute_bound_target_drafts_nothing():
     """Where verification costs about as much per token as a decode step, speculation cannot pay."""
     draft = table({1: 0.017, 8: 0.08})
-    assert plan_gammas([PlanInput(alpha=0.9, cap=8)], CPU_LIKE, draft) == [0]
+    assert plan_steps([PlanInput(alpha=0.9, cap=8)], CPU_LIKE, draft) == [AR]
 
 
 def test_a_saturated_target_drafts_nothing_while_an_idle_one_drafts():
     saturated = table({1: 0.02, 16: 0.03, 32: 0.06, 64: 0.12, 200: 0.40})  # linear beyond 32 tokens
     reqs = [PlanInput(alpha=0.7, cap=6)] * 64
-    assert sum(plan_gammas(reqs, saturated, CHEAP_DRAFT)) == 0
-    assert plan_gammas(reqs[:2], saturated, CHEAP_DRAFT) != [0, 0]
+    assert plan_steps(reqs, saturated, CHEAP_DRAFT) == [AR] * 64
+    assert plan_steps(reqs[:2], saturated, CHEAP_DRAFT) != [AR, AR]
 
 
 def test_caps_are_respected_and_unknown_costs_mean_no_drafting():
-    assert plan_gammas([PlanInput(alpha=0.99, cap=3)], GPU_LIKE, CHEAP_DRAFT) == [3]
-    assert plan_gammas([PlanInput(alpha=0.99, cap=3)], CostTable(), CHEAP_DRAFT) == [0]
+    assert plan_steps([PlanInput(alpha=0.99, cap=3)], GPU_LIKE, CHEAP_DRAFT) == [spec(3)]
+    assert plan_steps([PlanInput(alpha=0.99, cap=3)], CostTable(), CHEAP_DRAFT) == [AR]
 
 
 def test_the_plan_is_no_worse_than_plain_decoding():
     reqs = [PlanInput(alpha=a, cap=8) for a in (0.1, 0.5, 0.8, 0.95)]
     for verify in (GPU_LIKE, CPU_LIKE):
-        g = plan_gammas(reqs, verify, CHEAP_DRAFT)
-        assert step_rate(g, reqs, verify, CHEAP_DRAFT) >= step_rate([0] * 4, reqs, verify, CHEAP_DRAFT)
+        plan = plan_steps(reqs, verify, CHEAP_DRAFT)
+        assert step_rate(plan, reqs, verify, CHEAP_DRAFT) >= step_rate([AR] * 4, reqs, verify, CHEAP_DRAFT)
 
 
 def test_cost_table_interpolates_and_smooths():
@@ -71,16 +79,15 @@ def test_expected_tokens_and_acceptance_estimate():
 
 
 def test_lookahead_is_picked_where_verifying_is_nearly_free_and_its_trie_pays():
-    from calid.planning import LOOKAHEAD
-
+    lookahead = Choice("lookahead", 8)
     la = PlanInput(alpha=0.5, cap=8, lookahead_gain=3.0)
-    assert plan_gammas([la], GPU_LIKE, CostTable()) == [LOOKAHEAD]  # no draft model: lookahead or ar
-    assert plan_gammas([la], CPU_LIKE, CostTable()) == [0]  # 9 tokens cost ~5 decodes: 4 tokens do not pay
-    assert plan_gammas([PlanInput(alpha=0.5, cap=8)], GPU_LIKE, CostTable()) == [0]  # not an option: ar
-    assert plan_gammas([PlanInput(alpha=0.5, cap=0, lookahead_gain=3.0)], GPU_LIKE, CostTable()) == [0]  # no room
+    assert plan_steps([la], GPU_LIKE, CostTable()) == [lookahead]  # no draft model: lookahead or ar
+    assert plan_steps([la], CPU_LIKE, CostTable()) == [AR]  # 9 tokens cost ~5 decodes: 4 tokens do not pay
+    assert plan_steps([PlanInput(alpha=0.5, cap=8)], GPU_LIKE, CostTable()) == [AR]  # not an option: ar
+    assert plan_steps([PlanInput(alpha=0.5, cap=0, lookahead_gain=3.0)], GPU_LIKE, CostTable()) == [AR]  # no room
     # a good draft beats a poor trie, a rich trie beats a poor draft
-    assert plan_gammas([PlanInput(alpha=0.9, cap=8, lookahead_gain=0.2)], GPU_LIKE, CHEAP_DRAFT) == [8]
-    assert plan_gammas([PlanInput(alpha=0.1, cap=8, lookahead_gain=6.0)], GPU_LIKE, CHEAP_DRAFT) == [LOOKAHEAD]
+    assert plan_steps([PlanInput(alpha=0.9, cap=8, lookahead_gain=0.2)], GPU_LIKE, CHEAP_DRAFT) == [spec(8)]
+    assert plan_steps([PlanInput(alpha=0.1, cap=8, lookahead_gain=6.0)], GPU_LIKE, CHEAP_DRAFT) == [lookahead]
 
 
 def test_lookahead_gain_follows_what_the_steps_yield():
@@ -94,3 +101,24 @@ def test_lookahead_gain_follows_what_the_steps_yield():
     for _ in range(30):
         g.observe(5)
     assert g.mean == pytest.approx(5, abs=0.01)
+
+
+def test_a_tree_is_picked_where_it_beats_the_chain_and_its_extra_tokens_verify_cheaply():
+    better_tree = PlanInput(alpha=0.5, cap=8, tree_alpha=0.8)
+    plan = plan_steps([better_tree], GPU_LIKE, CHEAP_DRAFT)
+    assert plan[0].mode == "tree" and plan[0].gamma >= 4
+    no_better = PlanInput(alpha=0.8, cap=8, tree_alpha=0.8)  # same acceptance, more tokens to verify
+    assert plan_steps([no_better], GPU_LIKE, CHEAP_DRAFT)[0].mode == "speculative"
+    assert plan_steps([better_tree], CPU_LIKE, table({1: 0.017, 8: 0.08})) == [AR]
+    assert plan_steps([better_tree], GPU_LIKE, CostTable()) == [AR]  # no draft model: no tree either
+
+
+def test_a_batch_drafts_together_where_no_single_request_would_alone():
+    """A batched draft step costs about as much for one request as for sixteen: drafting pays for the batch
+    only when all draft, which a search that moves one request at a time from plain decoding never finds."""
+    verify = table({1: 0.020, 16: 0.0235, 32: 0.027, 64: 0.034, 160: 0.060})
+    reqs = [PlanInput(alpha=0.7, cap=8)] * 16
+    plan = plan_steps(reqs, verify, CHEAP_DRAFT)
+    assert all(c.mode == "speculative" for c in plan)
+    assert step_rate(plan, reqs, verify, CHEAP_DRAFT) > 1.1 * step_rate([AR] * 16, reqs, verify, CHEAP_DRAFT)
+

@@ -1,0 +1,58 @@
+"""The planner's cost model per target replica: requests are planned with the costs of the replica that holds
+them, and a replica's table starts from the pooled one and then follows that replica's own timings."""
+from calid.decoding.modes import DecodeParams
+from calid.generation import GenerationRequest, SamplingParams
+from calid.orchestrator import Orchestrator
+
+
+class _Tokenizer:
+    def decode(self, ids, **kw):
+        return " ".join(map(str, ids))
+
+
+def _orchestrator(placement: dict) -> Orchestrator:
+    orch = Orchestrator(_Tokenizer(), frozenset(), max_position=512, has_draft=True)
+    orch.replica_of = placement.get
+    for lanes, secs in ((1, 0.002), (16, 0.004)):
+        orch.observe_draft(lanes, 1, secs)
+    return orch
+
+
+def _active(orch: Orchestrator, ids: list[str]):
+    states = []
+    for rid in ids:
+        s = orch.start(orch.validate(GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=32), request_id=rid,
+                                                       decode=DecodeParams(mode="auto", gamma=6))))
+        s.stats.target_calls = 1  # past the prefill
+        states.append(s)
+    return states
+
+
+def test_requests_are_planned_with_the_costs_of_the_replica_that_holds_them():
+    orch = _orchestrator({"a": "gpu", "b": "gpu", "c": "cpu", "d": "cpu"})
+    for _ in range(3):  # the GPU replica verifies 9 tokens in about one decode, the CPU one in about 5 decodes
+        for tokens, gpu, cpu in ((1, 0.020, 0.036), (4, 0.0205, 0.095), (8, 0.021, 0.173), (16, 0.022, 0.219)):
+            orch.observe_verify(tokens, gpu, "gpu")
+            orch.observe_verify(tokens, cpu, "cpu")
+    states = _active(orch, ["a", "b", "c", "d"])
+    drafted = {t.request_id for t in orch.draft_tasks(states)}
+    assert drafted == {"a", "b"}
+    assert {orch.decode_of(s).mode for s in states[2:]} == {"ar"}
+
+
+def test_a_replica_table_starts_from_the_pooled_one_and_follows_its_own_timings():
+    orch = _orchestrator({})
+    orch.observe_verify(1, 0.030)
+    orch.observe_verify(16, 0.060)
+    assert orch.verify_cost_of("new") is orch.verify_cost  # not timed yet: the pooled table
+    orch.observe_verify(16, 0.010, "fast")
+    fast = orch.verify_cost_of("fast")
+    assert fast(1) == 0.030  # seeded from the pool
+    assert 0.010 < fast(16) < 0.060  # moved towards its own timing
+    for _ in range(30):
+        orch.observe_verify(16, 0.010, "fast")
+    assert abs(fast(16) - 0.010) < 1e-4
+    for _ in range(5):
+        orch.observe_verify(16, 0.200, "slow")
+    assert abs(fast(16) - 0.010) < 1e-4  # one replica's timings leave another's table alone
+    assert orch.verify_cost_of("slow")(16) > 0.15 and orch.verify_cost(16) > 0.15  # the pool hears every replica
