@@ -139,8 +139,9 @@ class OpenModel:
 
 def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
-               log=None) -> OpenModel:
-    """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why."""
+               log=None, graphs: str = "off") -> OpenModel:
+    """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why. ``graphs``: a
+    torch model's decode graphs (ModelRunner's ``graphs``)."""
     chosen, why = pick_backend(backend, spec, device)
     say = log or (lambda line: print(line, file=sys.stderr))
     if chosen == "llamacpp":
@@ -162,7 +163,7 @@ def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: st
     lm = load_model(spec, dt, device, show_progress)
     if backend == "auto":
         say(f"[calid] {spec}: torch {dt} on {device} ({why})")
-    return OpenModel(lm.name, "torch", dt, ModelRunner(lm.model, kv_budget_bytes), lm.tokenizer, lm.eos_ids,
+    return OpenModel(lm.name, "torch", dt, ModelRunner(lm.model, kv_budget_bytes, graphs=graphs), lm.tokenizer, lm.eos_ids,
                      lm.path, lm.decode_read_bytes, lm)
 
 

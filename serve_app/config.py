@@ -66,6 +66,8 @@ class AppConfig(BaseModel):
     draft_device: str | None = Field(None, description="device of the draft replicas: cpu (draft replicas are given "
                                      "no GPU, so they run on CPU nodes beside GPU targets)")
     target_device: str | None = Field(None, description="device of the target replicas (default: device)")
+    cuda_graphs: bool = Field(False, description="a CUDA target replays its decode steps from captured CUDA graphs "
+                              "(batch buckets 1-32; calid.runtime.graphs); not for TP/PP groups")
     target_backend: str = Field("auto", description="auto: llama.cpp on CPU for GGUF models, torch on CUDA, "
                                 "for TP/PP groups and for model folders; or torch / llamacpp")
     draft_backend: str = Field("auto", description="as target_backend, for the draft (self:N always runs on torch)")
@@ -134,6 +136,8 @@ class AppConfig(BaseModel):
                 raise ValueError(f"{name} must be cpu or cuda, got {getattr(self, name)!r}")
         if self.target_on == "cuda" and self.target_num_gpus <= 0:
             raise ValueError("a cuda target needs target_num_gpus > 0 so that target replicas are placed on GPUs")
+        if self.cuda_graphs and (self.target_on != "cuda" or self.sharded):
+            raise ValueError("cuda_graphs needs an unsharded target on cuda (target_device: cuda, target_tp = target_pp = 1)")
         if self.draft_device == "cuda":
             raise ValueError("draft replicas are given no GPU in this app: draft_device must be cpu")
         if self.draft is not None:

@@ -246,7 +246,7 @@ class TargetDeployment(_WorkerBase):
             self.worker.cached()  # build the group now, so the replica is ready when Serve says so
             return
         lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,
-                        show_progress=False, log=_log)
+                        show_progress=False, log=_log, graphs="cuda" if cfg.cuda_graphs else "off")
         self._runner = lm.runner
         self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)
 

@@ -6,7 +6,8 @@ draft Qwen2.5-0.5B's (bf16, seeded random weights); prompts are random ids.
 Every mode decodes the same prompts at batch 1, 8 and 32 with EOS ignored:
 
 * ``ar``, ``speculative`` (the draft's chains) and ``tree`` through calid's
-  engine, greedy;
+  engine, greedy; a mode with ``+graphs`` (default: ``ar+graphs``) runs the
+  same with decode steps replayed from CUDA graphs (``--graphs cuda``);
 * HF transformers ``generate`` on the very same weight tensors (an HF twin that
   shares their memory), greedy, batch for batch.
 
@@ -38,6 +39,7 @@ SHAPES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, head 
     "tiny-draft": (512, 64, 128, 1, 4, 2, 16, 1e4, True),
 }
 PAIRS = {"qwen2.5": ("qwen2.5-7b", "qwen2.5-0.5b"), "tiny": ("tiny", "tiny-draft")}
+GRAPHS = "+graphs"
 COLUMNS = ["mode", "batch", "tokens", "seconds", "tok_s", "ratio_vs_hf", "limit_tok_s", "pct_of_limit",
            "same_as_ar", "accepted_per_call"]
 
@@ -161,15 +163,19 @@ def bench(args) -> list[dict]:
     rows = []
     for batch in args.batches:
         prompts = torch.randint(10, target.cfg.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
-        engine = Engine(ModelRunner(target), IdTokenizer(), frozenset(), draft=ModelRunner(draft), max_batch=batch)
-        for mode in args.modes:  # warm-up: kernels, the block pool, the planner's calibration
-            decode(engine, prompts, mode, 4, device)
+        engines = {graphs: Engine(ModelRunner(target, graphs=graphs), IdTokenizer(), frozenset(),
+                                  draft=ModelRunner(draft, graphs=graphs), max_batch=batch)
+                   for graphs in {"off", *(args.graphs for m in args.modes if m.endswith(GRAPHS))}}
+        run = lambda mode, n: decode(engines[args.graphs if mode.endswith(GRAPHS) else "off"], prompts,  # noqa: E731
+                                     mode.removesuffix(GRAPHS), n, device)
+        for mode in args.modes:  # warm-up: kernels, the block pool, graph capture, the planner's calibration
+            run(mode, 4)
         hf_decode(hf, prompts, 4, device)
         hf_out, hf_s = hf_decode(hf, prompts, args.new_tokens, device)
         tokens = batch * args.new_tokens
         outputs = {}
         for mode in args.modes:
-            results, seconds = decode(engine, prompts, mode, args.new_tokens, device)
+            results, seconds = run(mode, args.new_tokens)
             outputs[mode] = [r.output_ids for r in results]
             calls = sum(r.stats.target_calls for r in results) or 1
             rows.append(_row(mode, batch, tokens, seconds, hf_s, limit_b1, outputs,
@@ -194,7 +200,8 @@ def _device_name(device) -> str:
 
 
 def check_greedy_modes(device, dtype=torch.float32) -> dict[str, bool]:
-    """Greedy output of every mode equals ar's on ``device`` (a small random model, peaked logits)."""
+    """Greedy output of every mode equals ar's on ``device`` (a small random model, peaked logits); so does
+    every lossless mode with decode steps replayed from graphs (captured on CUDA, the static step elsewhere)."""
     from calid.decoding.modes import MODES, DecodeParams
     from calid.engine import Engine
     from calid.generation import GenerationRequest, SamplingParams
@@ -202,14 +209,17 @@ def check_greedy_modes(device, dtype=torch.float32) -> dict[str, bool]:
     from calid.runtime.runner import ModelRunner
 
     model = random_model(shape_config("tiny"), dtype, device, seed=0, std=0.2)
-    engine = Engine(ModelRunner(model), IdTokenizer(), frozenset(), draft=ModelRunner(self_draft(model, 1)))
+    graphs = "cuda" if torch.device(device).type == "cuda" else "static"
     outputs = {}
-    for mode in MODES:
-        reqs = [GenerationRequest([3, 1, 4, 1, 5 + i] * 3, SamplingParams(max_new_tokens=16, ignore_eos=True),
-                                  decode=DecodeParams(mode=mode)) for i in range(4)]
-        outputs[mode] = [r.output_ids for r in engine.generate(reqs)]
-    lossless = [m for m in MODES if m not in ("filter", "rollback")]
-    return {m: outputs[m] == outputs["ar"] for m in lossless}
+    for suffix, how in (("", "off"), (GRAPHS, graphs)):
+        engine = Engine(ModelRunner(model, graphs=how), IdTokenizer(), frozenset(),
+                        draft=ModelRunner(self_draft(model, 1), graphs=how))
+        for mode in MODES:
+            reqs = [GenerationRequest([3, 1, 4, 1, 5 + i] * 3, SamplingParams(max_new_tokens=16, ignore_eos=True),
+                                      decode=DecodeParams(mode=mode)) for i in range(4)]
+            outputs[mode + suffix] = [r.output_ids for r in engine.generate(reqs)]
+    lossless = [m + suffix for m in MODES if m not in ("filter", "rollback") for suffix in ("", GRAPHS)]
+    return {m: outputs[m] == outputs["ar"] for m in lossless if m != "ar"}
 
 
 def sampled_tv(device, mode: str = "speculative", n: int = 2000) -> tuple[float, float]:
@@ -244,7 +254,11 @@ def add_parser(sub) -> None:
 def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", choices=sorted(PAIRS), default="qwen2.5", help="target/draft shapes (tiny: a smoke run)")
     p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--modes", default="ar,speculative,tree")
+    p.add_argument("--modes", default="ar,ar+graphs,speculative,tree",
+                   help="modes; a mode ending in +graphs replays decode steps from graphs (--graphs)")
+    p.add_argument("--graphs", choices=["cuda", "static"], default=None,
+                   help="what +graphs modes use: captured CUDA graphs (default on CUDA), or their static step "
+                        "uncaptured (default elsewhere)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -267,6 +281,7 @@ def run(args) -> int:
         return 0 if all(greedy.values()) and tv_target < 0.05 else 1
     args.batches = parse_numbers(args.batches, int)
     args.modes = [m for m in args.modes.split(",") if m]
+    args.graphs = args.graphs or ("cuda" if torch.device(args.device).type == "cuda" else "static")
     if not args.batches or min(args.batches) < 1 or args.new_tokens < 1 or args.prompt_len < 1:
         raise CalidError("--batches, --new-tokens and --prompt-len must be >= 1")
     if "ar" not in args.modes:

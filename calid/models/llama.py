@@ -134,7 +134,7 @@ class LlamaModel(nn.Module):
         top = batch.max_position if batch.max_position is not None else int(batch.positions.max())  # host sync
         cos, sin = self.rotary.tables(top + 1, x.dtype, x.device)
         cos, sin = cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)
-        attend = attention_for(batch)
+        attend = batch.attention or attention_for(batch)
         for block in self.layers:
             x = block(x, cos, sin, attend)
         return x

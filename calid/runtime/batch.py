@@ -51,6 +51,7 @@ class Batch:
     seqs: list[SeqSlice]
     logits_index: torch.Tensor  # [L] long, rows of the flat batch whose logits are wanted
     max_position: int | None = None  # largest of ``positions``, known on the host (no device sync to read it)
+    attention: object | None = None  # a prepared ``attend(layer, q, k, v)`` (decode graphs); None: planned per forward
 
 
 def causal_mask(q_len: int, past: int, device) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from calid.models.llama import LlamaModel
 from calid.runtime.batch import Batch, SeqSlice, tree_mask
+from calid.runtime.graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from calid.runtime.kv_cache import KVCache, KVCacheStore
 from calid.runtime.paged import DEFAULT_BLOCK_SIZE, BlockPool, PagedKVCache
 
@@ -43,6 +44,7 @@ class RunnerStats:
 
 KV_LAYOUTS = ("paged", "contiguous")
 DEFAULT_KV_LAYOUT = "paged"  # measured with ``calid bench step``: on a 2-core CPU 1.11x at batch 16-32, 0.99-1.00x at 1
+GRAPH_MODES = ("off", "cuda", "static")
 
 
 class ModelRunner:
@@ -51,18 +53,30 @@ class ModelRunner:
 
     ``kv_layout``: ``paged`` (one block pool, one batched attention call per layer; the default on every
     device: per-sequence kernels would set a GPU's step time) or ``contiguous`` (a buffer per sequence,
-    attention per sequence: the runtime before the pool, kept as the reference ``calid bench step`` compares)."""
+    attention per sequence: the runtime before the pool, kept as the reference ``calid bench step`` compares).
+
+    ``graphs``: ``cuda`` replays decode steps (one token per sequence, up to ``graph_batch_sizes[-1]``
+    sequences) from captured CUDA graphs (:mod:`calid.runtime.graphs`); ``static`` runs the same padded static
+    step without capture (any device: the reference the graphs replay); ``off`` (default) neither."""
 
     def __init__(self, model: LlamaModel, kv_budget_bytes: int | None = None, charged_layers: int | None = None,
-                 kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE):
+                 kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE, graphs: str = "off",
+                 graph_batch_sizes=DEFAULT_BATCH_SIZES):
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, not {kv_layout!r}")
+        if graphs not in GRAPH_MODES:
+            raise ValueError(f"graphs must be one of {', '.join(GRAPH_MODES)}, not {graphs!r}")
+        if graphs != "off" and kv_layout != "paged":
+            raise ValueError("decode graphs read the paged KV cache: use kv_layout='paged'")
         self.model = model
         cfg = model.cfg
         self.kv_layout = kv_layout
+        self.graphs = None
         if self.kv_layout == "paged":
             pool = BlockPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, block_size)
             factory = lambda: PagedKVCache(pool, charged_layers)  # noqa: E731
+            if graphs != "off":
+                self.graphs = DecodeGraphs(model, pool, graph_batch_sizes, capture=graphs == "cuda")
         else:
             factory = lambda: KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, model.dtype,  # noqa: E731
                                       model.device, charged_layers=charged_layers)
@@ -88,7 +102,8 @@ class ModelRunner:
         return len(self.caches)
 
     def describe(self) -> str:
-        return f"torch {str(self.model.dtype).removeprefix('torch.')} on {self.model.device}, {self.kv_layout} KV"
+        graphs = ", CUDA graphs" if self.graphs is not None and self.graphs.capture else ""
+        return f"torch {str(self.model.dtype).removeprefix('torch.')} on {self.model.device}, {self.kv_layout} KV{graphs}"
 
     def cached_length(self, seq_id: Hashable) -> int:
         return len(self.caches.get(seq_id)) if seq_id in self.caches else 0
@@ -129,13 +144,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
         """Feed each sequence's new tokens; return logits [len(logits_at), vocab] per sequence."""
-        batch = self._build_batch(inputs)
-        logits = self.model(batch)
-        for inp, s in zip(inputs, batch.seqs):
+        seqs, ids, positions, logits_index = self._slices(inputs)
+        if self.graphs is not None and len(logits_index) == len(seqs) and self.graphs.fits(seqs):
+            logits = self.graphs.run(seqs, ids, positions)
+        else:
+            logits = self.model(self._batch(seqs, ids, positions, logits_index))
+        for inp, s in zip(inputs, seqs):
             s.cache.commit(inp.tokens)
         self.caches.enforce_budget(pinned=set())
         self.stats.forwards += 1
-        self.stats.tokens += int(batch.input_ids.numel())
+        self.stats.tokens += len(ids)
         out, row = [], 0
         for inp in inputs:
             n = len(inp.logits_at) if inp.logits_at is not None else 1
@@ -144,6 +162,10 @@ class ModelRunner:
         return out
 
     def _build_batch(self, inputs: list[SeqInput]) -> Batch:
+        return self._batch(*self._slices(inputs))
+
+    def _slices(self, inputs: list[SeqInput]) -> tuple[list[SeqSlice], list[int], list[int], list[int]]:
+        """Reserve room in each sequence's cache; (slices, new ids, positions, logits rows), on the host."""
         ids, positions, logits_index, seqs = [], [], [], []
         pinned = {inp.seq_id for inp in inputs}
         if len(pinned) != len(inputs):
@@ -163,6 +185,9 @@ class ModelRunner:
             seqs.append(SeqSlice(start, q, past, cache, mask))
             start += q
         self.caches.enforce_budget(pinned)
+        return seqs, ids, positions, logits_index
+
+    def _batch(self, seqs: list[SeqSlice], ids: list[int], positions: list[int], logits_index: list[int]) -> Batch:
         device = self.model.device
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),

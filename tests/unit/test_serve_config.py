@@ -12,6 +12,8 @@ from serve_app.config import AppConfig, ConfigError, check_resources, load_confi
     ({"device": "cuda"}, "target_num_gpus"),
     ({"target_device": "cuda"}, "target_num_gpus"),
     ({"draft_device": "cuda"}, "draft_device must be cpu"),
+    ({"cuda_graphs": True}, "cuda_graphs needs an unsharded target on cuda"),
+    ({"cuda_graphs": True, "device": "cuda", "target_num_gpus": 1, "target_tp": 2}, "cuda_graphs needs"),
     ({"default_mode": "fast"}, "default_mode"),
     ({"draft": None, "default_mode": "speculative"}, "needs a draft"),
     ({"draft": "self:x"}, "self:N"),
