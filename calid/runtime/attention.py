@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from calid.runtime.batch import Batch, SeqSlice
+from calid.runtime.batch import Batch, SeqSlice, device_longs
 from calid.runtime.paged import PagedKVCache
 
 SHORT_QUERY = 16  # new tokens per sequence up to which sequences share the batch's main attention group
@@ -79,7 +79,7 @@ class PagedAttention:
         pool = seqs[0].cache.pool
         self.pool, self.device = pool, pool.device
         slots = [slot for s in seqs for slot in s.cache.slots(s.past, s.q_len)]
-        self.slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.slots = device_longs(slots, self.device)
         total = seqs[-1].end
         classes: dict[int, list[SeqSlice]] = {}
         for s in seqs:
@@ -99,7 +99,7 @@ class PagedAttention:
                 rows.extend([s.start] * (q_max - s.q_len))  # padding rows repeat a real one; their output is dropped
                 picks.extend(range(b * q_max, b * q_max + s.q_len))
                 tokens.extend(range(s.start, s.end))
-            rows, picks, tokens = (torch.tensor(x, dtype=torch.long, device=device) for x in (rows, picks, tokens))
+            rows, picks, tokens = (device_longs(x, device) for x in (rows, picks, tokens))
         if len(seqs) == 1 and seqs[0].cache.consecutive:
             s = seqs[0]
             mask = s.attn_mask()
@@ -112,7 +112,7 @@ class PagedAttention:
             table.extend(s.cache.blocks[:used] + [0] * (each - used))
         per_head = [h * self.pool.num_blocks + b for h in range(self.pool.row_shape[0]) for b in table]
         return _Group(len(seqs), q_max, each * bs, _padded_mask(seqs, q_max, each * bs, device), False,
-                      torch.tensor(per_head, dtype=torch.long, device=device), 0, rows, picks, tokens)
+                      device_longs(per_head, device), 0, rows, picks, tokens)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.slots, k, v)
@@ -142,8 +142,8 @@ def _padded_mask(seqs: list[SeqSlice], q_max: int, length: int, device) -> torch
     """[B, 1, q_max, length] bool: new token i of sequence b sees rows <= past_b + i (its own tree mask
     where it has one); padding rows see what the sequence's last token sees; rows past a sequence's end
     are hidden."""
-    past = torch.tensor([s.past for s in seqs], device=device)
-    q_len = torch.tensor([s.q_len for s in seqs], device=device)
+    past = device_longs([s.past for s in seqs], device)
+    q_len = device_longs([s.q_len for s in seqs], device)
     i = torch.arange(q_max, device=device)
     last_seen = past[:, None] + torch.minimum(i[None, :], q_len[:, None] - 1)  # [B, q_max]
     mask = torch.arange(length, device=device)[None, None, :] <= last_seen[:, :, None]

@@ -54,6 +54,12 @@ class Batch:
     attention: object | None = None  # a prepared ``attend(layer, q, k, v)`` (decode graphs); None: planned per forward
 
 
+def device_longs(values, device) -> torch.Tensor:
+    """Host ints as a long tensor on ``device``, without a device sync: a blocking host-to-device copy waits
+    for all queued GPU work, while one from pageable memory with ``non_blocking`` is staged at once."""
+    return torch.tensor(values, dtype=torch.long, device="cpu").to(device, non_blocking=True)
+
+
 def causal_mask(q_len: int, past: int, device) -> torch.Tensor:
     """[q_len, past + q_len] bool: new token i sees the past and new tokens 0..i."""
     return torch.ones(q_len, past + q_len, dtype=torch.bool, device=device).tril(diagonal=past)

@@ -124,14 +124,14 @@ class DecodeGraphs:
         step.host.copy_(torch.tensor(
             ids + [0] * pad + positions + [0] * pad
             + [s.cache.blocks[s.past // bs] * bs + s.past % bs for s in seqs] + [scratch * bs] * pad
-            + [s.past + 1 for s in seqs] + [1] * pad + table + [scratch] * (pad * nbp)))
+            + [s.past + 1 for s in seqs] + [1] * pad + table + [scratch] * (pad * nbp), device="cpu"))
         step.device_buf.copy_(step.host, non_blocking=True)
         if step.copied is not None:
             step.copied.record()
         return self._replay(step)[: len(seqs)].clone()
 
     def _padding(self, bp: int, nbp: int) -> torch.Tensor:
-        pad = torch.zeros(_FIELDS * bp + bp * nbp, dtype=torch.long)
+        pad = torch.zeros(_FIELDS * bp + bp * nbp, dtype=torch.long, device="cpu")
         pad[2 * bp : 3 * bp] = self.scratch * self.pool.block_size  # writes go to the scratch block
         pad[3 * bp : 4 * bp] = 1  # one key each, so a padding row's softmax is defined
         pad[_FIELDS * bp :] = self.scratch

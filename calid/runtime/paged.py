@@ -20,6 +20,7 @@ import heapq
 
 import torch
 
+from calid.runtime.batch import device_longs
 from calid.runtime.kv_cache import common_prefix
 
 DEFAULT_BLOCK_SIZE = 16
@@ -73,8 +74,7 @@ class BlockPool:
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Copy the rows at slots ``src`` to slots ``dst``, in every layer."""
-        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        src_t, dst_t = device_longs(src, self.device), device_longs(dst, self.device)
         for layer in range(self.num_layers):
             for store in self.flat(layer):
                 store.index_copy_(1, dst_t, store.index_select(1, src_t))

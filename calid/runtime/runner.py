@@ -13,7 +13,7 @@ from typing import Hashable
 import torch
 
 from calid.models.llama import LlamaModel
-from calid.runtime.batch import Batch, SeqSlice, tree_mask
+from calid.runtime.batch import Batch, SeqSlice, device_longs, tree_mask
 from calid.runtime.graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from calid.runtime.kv_cache import KVCache, KVCacheStore
 from calid.runtime.paged import DEFAULT_BLOCK_SIZE, BlockPool, PagedKVCache
@@ -181,7 +181,7 @@ class ModelRunner:
             positions.extend(inp.positions if inp.positions is not None else range(past, past + q))
             at = inp.logits_at if inp.logits_at is not None else [q - 1]
             logits_index.extend(start + i for i in at)
-            mask = tree_mask(inp.ancestors.to(self.device), past) if inp.ancestors is not None else None
+            mask = tree_mask(inp.ancestors.to(self.device, non_blocking=True), past) if inp.ancestors is not None else None
             seqs.append(SeqSlice(start, q, past, cache, mask))
             start += q
         self.caches.enforce_budget(pinned)
@@ -190,9 +190,9 @@ class ModelRunner:
     def _batch(self, seqs: list[SeqSlice], ids: list[int], positions: list[int], logits_index: list[int]) -> Batch:
         device = self.model.device
         return Batch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            input_ids=device_longs(ids, device),
+            positions=device_longs(positions, device),
             seqs=seqs,
-            logits_index=torch.tensor(logits_index, dtype=torch.long, device=device),
+            logits_index=device_longs(logits_index, device),
             max_position=max(positions),
         )
