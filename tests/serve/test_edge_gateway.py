@@ -148,14 +148,19 @@ def test_speculative_at_the_edge_is_the_targets_output_with_no_cluster_draft(gat
 
     ar, edge, idle = asyncio.run(go())
     assert idle
+    accepted = 0
     for want, (ctx, replies, ids) in zip(ar, edge):
         assert ctx.code is None, ctx.message
         assert ids == want
         last = replies[-1]
         assert last.finish_reason == "length" and last.stats.draft_forwards == 0  # no draft ran here
-        assert last.stats.draft_tokens == sum(r.accepted for r in replies) > 0
+        assert last.stats.draft_tokens == sum(r.accepted for r in replies)
+        accepted += last.stats.draft_tokens
         for r in replies[1:]:
             assert r.accepted <= len(r.token_ids) <= r.accepted + 1
+    # the edge's drafts were used (self:16 is a weak draft: on an AVX2 machine it had none of its 24
+    # proposals accepted for one of the prompts, whose greedy text differs with the CPU's rounding)
+    assert accepted > 0
     # the low-confidence rounds of the three clients were verified together
     assert max(len(call) for call in target.verified) > 1
 
