@@ -132,7 +132,9 @@ class PagedAttention:
                 kv_heads = pool_k.shape[0]
                 if g.gathered is None:  # one pair of buffers for every layer (see _Group.gathered)
                     g.gathered = [pool_k.new_empty(len(g.blocks), self.pool.block_size, D) for _ in range(2)]
-                keys, values = (torch.index_select(p.view(-1, self.pool.block_size, D), 0, g.blocks, out=buf)
+                grad = torch.is_grad_enabled()  # out= refuses autograd (the model outside inference mode)
+                keys, values = (torch.index_select(p.view(-1, self.pool.block_size, D), 0, g.blocks,
+                                                   **({} if grad else {"out": buf}))
                                 .view(kv_heads, g.size, g.length, D).transpose(0, 1)
                                 for p, buf in zip((pool_k, pool_v), g.gathered))  # [B, KV, L, D]
             qg = (q if g.rows is None else q.index_select(0, g.rows)).view(g.size, g.q_max, H, D)
