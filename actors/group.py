@@ -78,6 +78,9 @@ class TargetGroup:
     def verify(self, tasks: list) -> list:
         return self._all("verify", tasks)
 
+    def score(self, tasks: list) -> list:
+        return self._all("score", tasks)
+
     def release(self, request_ids: list, final_ids: dict | None = None) -> None:
         if self.shards:
             self._all("release", request_ids, final_ids)

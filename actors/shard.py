@@ -58,6 +58,9 @@ class TargetShard:
     def verify(self, tasks: list) -> list:
         return self.worker.verify(tasks)
 
+    def score(self, tasks: list) -> list:
+        return self.worker.score(tasks)
+
     def release(self, request_ids: list, final_ids: dict | None = None) -> None:
         self.worker.release(request_ids, final_ids)
 

@@ -61,7 +61,18 @@ def grpc_options(port: int) -> gRPCOptions:
     return gRPCOptions(port=port, grpc_servicer_functions=[SERVICER])
 
 
+def http_options(cfg: AppConfig) -> dict:
+    """Serve's HTTP proxy: the OpenAI API on cfg.http_port (0: off, the proxy then takes a free loopback port)."""
+    return {"host": cfg.http_host if cfg.http_port else "127.0.0.1", "port": cfg.http_port}
+
+
+def base_url(cfg: AppConfig) -> str | None:
+    """The OpenAI base URL of an app started with ``start`` (None: HTTP off)."""
+    return f"http://{cfg.http_host}:{cfg.http_port}{cfg.route_prefix.rstrip('/')}/v1" if cfg.http_port else None
+
+
 def start(cfg: AppConfig, blocking: bool = False):
-    """Start Serve's gRPC proxy on ``cfg.grpc_port`` (loopback Ray assumed up) and run the app."""
-    serve.start(grpc_options=grpc_options(cfg.grpc_port), http_options={"host": "127.0.0.1", "port": 0})
-    return serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}", blocking=blocking)
+    """Start Serve's gRPC proxy on ``cfg.grpc_port`` and HTTP proxy on ``cfg.http_port`` (loopback Ray assumed up)
+    and run the app."""
+    serve.start(grpc_options=grpc_options(cfg.grpc_port), http_options=http_options(cfg))
+    return serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=blocking)

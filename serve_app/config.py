@@ -118,10 +118,18 @@ class AppConfig(BaseModel):
     edge_round_timeout_s: float = Field(30.0, gt=0, description="Collaborate: a client that sends no draft round "
                                         "for this long gets DEADLINE_EXCEEDED and its request is freed")
     grpc_port: int = Field(50051, ge=1, le=65535)
+    http_port: int = Field(8000, ge=0, le=65535, description="the OpenAI-compatible HTTP API's port (Serve's HTTP "
+                           "proxy); 0 turns the API off (the proxy then listens on a free loopback port and "
+                           "answers 404)")
+    http_host: str = Field("127.0.0.1", description="address the HTTP API listens on (loopback by default)")
+    route_prefix: str = Field("/", description="the app's HTTP path prefix: the OpenAI base URL is "
+                              "http://<host>:<http_port><route_prefix>v1")
     app_name: str = "calid"
 
     @model_validator(mode="after")
     def _cross_fields(self):
+        if not self.route_prefix.startswith("/"):
+            raise ValueError(f"route_prefix must start with /, got {self.route_prefix!r}")
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise ValueError(f"dtype must be auto, fp32 or bf16, got {self.dtype!r}")
         for role in ("target_backend", "draft_backend"):

@@ -20,13 +20,14 @@ from calid.errors import InvalidRequestError
 from calid.v1 import calid_pb2 as pb
 from serve_app import protocol
 from serve_app.calls import Failure, RequestRefused, RoundEnd
+from serve_app.frontdoor import Refused, grpc_caller, set_grpc_status
 
 _TIMEOUT = object()
 
 
 async def collaborate(router, stream, grpc_context):
     def refuse(code: grpc.StatusCode, message: str, mode: str = "default"):
-        router._refuse(grpc_context, mode, code, message)
+        set_grpc_status(grpc_context, router._refuse(mode, code, message, "edge"))
         return RequestRefused(message)
 
     first = await _receive(stream, router.cfg.edge_round_timeout_s)
@@ -41,9 +42,11 @@ async def collaborate(router, stream, grpc_context):
     if msg.mode not in EDGE_MODES:
         raise refuse(grpc.StatusCode.INVALID_ARGUMENT,
                      f"Collaborate mode must be one of {', '.join(EDGE_MODES)}, got {msg.mode!r}")
-    r = await router._open(msg, grpc_context, edge=True)
-    if r is None:
-        raise RequestRefused(grpc_context.details() if grpc_context is not None else "refused")
+    try:
+        r = await router._open(msg, grpc_caller(grpc_context, "edge"), edge=True)
+    except Refused as e:
+        set_grpc_status(grpc_context, e)
+        raise RequestRefused(e.message) from None
     req, mode = r.req, r.req.decode.mode
     try:
         opening = pb.CollaborateReply(request_id=r.client_id, round=0, prompt_ids=req.prompt_ids,

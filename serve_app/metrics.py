@@ -15,8 +15,8 @@ COUNTS = [1, 2, 4, 8, 16, 32, 64]
 
 class RouterMetrics:
     def __init__(self):
-        self.requests = metrics.Counter("calid_requests", "requests finished, by mode and outcome (gRPC code)",
-                                        tag_keys=("mode", "code"))
+        self.requests = metrics.Counter("calid_requests", "requests finished, by mode, outcome (gRPC code) and "
+                                        "front-end (grpc, edge, http)", tag_keys=("mode", "code", "frontend"))
         self.tokens = metrics.Counter("calid_tokens", "output tokens by source (draft or target)",
                                       tag_keys=("mode", "source"))
         self.drafted = metrics.Counter("calid_drafted_tokens", "output tokens that came from a draft, by where it "
@@ -41,9 +41,9 @@ class RouterMetrics:
                                                   "requests per router step that needed the target",
                                                   boundaries=COUNTS)
 
-    def finished(self, result: GenerationResult, mode: str) -> None:
+    def finished(self, result: GenerationResult, mode: str, frontend: str = "grpc") -> None:
         tags = {"mode": mode}
-        self.requests.inc(tags={"mode": mode, "code": "OK"})
+        self.requests.inc(tags={"mode": mode, "code": "OK", "frontend": frontend})
         for source, n in (("draft", result.stats.draft_tokens), ("target", result.stats.target_tokens)):
             if n > 0:  # Counter.inc refuses 0
                 self.tokens.inc(n, tags={"mode": mode, "source": source})
@@ -64,8 +64,8 @@ class RouterMetrics:
                     self.forward_cost.set(table(n) * 1000,
                                           tags={"role": role, "size": str(n), "target_replica": replica})
 
-    def failed(self, mode: str, code: str) -> None:
-        self.requests.inc(tags={"mode": mode, "code": code})
+    def failed(self, mode: str, code: str, frontend: str = "grpc") -> None:
+        self.requests.inc(tags={"mode": mode, "code": code, "frontend": frontend})
 
 
 class WorkerMetrics:

@@ -34,15 +34,27 @@ def check_limits(msg: pb.GenerateRequest, limits: Limits) -> None:
         raise InvalidRequestError(f"max_new_tokens must be at most {limits.max_new_tokens}, got {msg.max_new_tokens}")
     if len(msg.stop) > limits.max_stop:
         raise InvalidRequestError(f"stop takes at most {limits.max_stop} strings, got {len(msg.stop)}")
+    if msg.HasField("logprobs") and msg.logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS} (alternatives per token), got {msg.logprobs}")
     if any(len(s) > limits.max_stop_chars for s in msg.stop):
         raise InvalidRequestError(f"stop strings may be at most {limits.max_stop_chars} characters long")
     if len(msg.messages) > limits.max_messages:
         raise InvalidRequestError(f"messages takes at most {limits.max_messages} entries, got {len(msg.messages)}")
 
 
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's own limit)
+
+
+def score_only(msg: pb.GenerateRequest) -> bool:
+    """Echo with max_new_tokens = 0: the prompt is scored and nothing is generated."""
+    return msg.echo and msg.HasField("max_new_tokens") and msg.max_new_tokens == 0
+
+
 def prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
-    if msg.prompt and msg.messages:
-        raise InvalidRequestError("set either prompt or messages, not both")
+    if sum(map(bool, (msg.prompt, msg.messages, msg.prompt_token_ids))) > 1:
+        raise InvalidRequestError("set one of prompt, messages or prompt_token_ids, not several")
+    if msg.prompt_token_ids:
+        return list(msg.prompt_token_ids)
     if msg.messages:
         for i, m in enumerate(msg.messages):
             if m.role not in ROLES:
@@ -60,8 +72,10 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
     for name in ("temperature", "top_p", "threshold"):
         if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)!r}")
+    if msg.HasField("max_new_tokens") and msg.max_new_tokens == 0 and not msg.echo:
+        raise InvalidRequestError("max_new_tokens must be >= 1 (0 only with echo: score the prompt)")
     params = SamplingParams(
-        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else SamplingParams.max_new_tokens,
+        max_new_tokens=(msg.max_new_tokens or 1) if msg.HasField("max_new_tokens") else SamplingParams.max_new_tokens,
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k if msg.HasField("top_k") else 0,

@@ -31,24 +31,28 @@ from ray import serve
 
 from calid.decoding.modes import MODES
 from calid.edge import EdgeRound, round_draft
-from calid.errors import CalidError
+from calid.errors import CalidError, InvalidRequestError
 from calid.generation import GenerationRequest, RequestState, StreamEvent
 from calid.models.config import ModelConfig
 from calid.models.loader import eos_token_ids, load_tokenizer
+from calid.models.source import served_name
 from calid.backends import model_facts
 from calid.runtime.llamacpp import slot_cells
 from calid.orchestrator import Orchestrator
 from calid.scaling import RateWindow
 from calid.v1 import calid_pb2 as pb
-from serve_app import protocol
-from serve_app.auth import AuthConfigError, allowed, bearer, load_keys
+from serve_app import openai_http, protocol
+from serve_app.auth import AuthConfigError, allowed, load_keys
 from serve_app.calls import Failure, RequestRefused, RoundEnd, WorkerCalls, WorkersUnavailable
+from serve_app.frontdoor import FRONTENDS, Caller, Refused, grpc_caller, set_grpc_status
+from serve_app.outputs import IDLE, outputs
 from serve_app.config import ConfigError, load_config
 from serve_app.edge import collaborate
 from serve_app.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 COST_EXPORT_STEPS = 32  # the cost model goes to the metrics every this many steps
+RETRY_AFTER_S = 1.0  # what a refusal for a full queue tells the client to wait (HTTP Retry-After)
 
 
 @dataclass
@@ -65,6 +69,10 @@ class _Request:
     edge: bool = False  # the client drafts (Collaborate): its steps wait for the client's rounds
     round: EdgeRound | None = None  # an edge request's draft round, until a step has used it
     arrived: float = field(default_factory=time.perf_counter)  # its TTFT counts from here (queueing included)
+    frontend: str = "grpc"  # grpc | edge | http (a metric label)
+    logprobs: int | None = None  # score the output: this many alternatives per token (None: no logprobs)
+    echo: bool = False  # score the prompt too
+    score_only: bool = False  # echo with max_new_tokens = 0: the prompt is scored, nothing decoded
 
 
 @serve.deployment(name="router", max_ongoing_requests=1024)
@@ -77,6 +85,8 @@ class Router:
         model_cfg = ModelConfig.from_dir(folder)
         self.tokenizer = load_tokenizer(folder)
         self.vocab_size, self.max_position = model_cfg.vocab_size, model_cfg.max_position
+        self.model_id = served_name(self.cfg.target)
+        self.started = time.time()
         if backend == "llamacpp":  # a llama.cpp slot holds at most this many tokens of one sequence
             self.max_position = slot_cells(model_cfg, self.cfg.kv_budget_mb and self.cfg.kv_budget_mb * 2**20)
         self.orch = Orchestrator(self.tokenizer, eos_token_ids(folder, self.tokenizer), self.max_position,
@@ -109,65 +119,81 @@ class Router:
     # ---- gRPC methods -------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
-        r = await self._open(request, grpc_context)
-        if r is None:
-            return pb.GenerateResponse()
-        ids = []
         try:
-            async for item in self._events(r):
-                if isinstance(item, Failure):
-                    return self._fail(grpc_context, r, item)
-                ids += item.token_ids
-                if item.result is not None:
-                    return pb.GenerateResponse(request_id=r.client_id, text=item.result.text, token_ids=ids,
-                                               finish_reason=item.result.finish_reason,
-                                               stats=protocol.stats(item.result, r.mode))
+            r = await self._open(request, grpc_caller(grpc_context))
+        except Refused as e:
+            set_grpc_status(grpc_context, e)
+            return pb.GenerateResponse()
+        try:
+            async for out in outputs(self, r, stream=False):
+                if isinstance(out, Failure):
+                    return self._fail(grpc_context, r, out)
+                return out.response(r.client_id, r.mode)
         finally:
             self._close(r)
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
-        r = await self._open(request, grpc_context)
-        if r is None:  # Serve sends the status set on the context when a stream raises
-            raise RequestRefused(grpc_context.details() if grpc_context is not None else "refused")
         try:
-            async for item in self._events(r):
-                if isinstance(item, Failure):
-                    self._fail(grpc_context, r, item)
-                    raise RequestRefused(item.message)
-                chunk = pb.GenerateChunk(request_id=r.client_id, text=item.text, token_ids=item.token_ids)
-                if item.result is not None:
-                    chunk.finish_reason = item.result.finish_reason
-                    chunk.stats.CopyFrom(protocol.stats(item.result, r.mode))
-                yield chunk
+            r = await self._open(request, grpc_caller(grpc_context))
+        except Refused as e:  # Serve sends the status set on the context when a stream raises
+            set_grpc_status(grpc_context, e)
+            raise RequestRefused(e.message) from None
+        try:
+            async for out in outputs(self, r, stream=True):
+                if isinstance(out, Failure):
+                    self._fail(grpc_context, r, out)
+                    raise RequestRefused(out.message)
+                yield out.chunk(r.client_id, r.mode)
         finally:
             self._close(r)
 
     async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
         """Open to every caller (load balancers probe it); false while draining or with a dead step loop."""
-        alive = not self._draining and (self._loop_task is None or not self._loop_task.done())
-        return pb.HealthResponse(serving=alive, active_requests=len(self.orch.active),
-                                 queued_requests=len(self._waiting), queue_capacity=self.cfg.queue_capacity)
+        return pb.HealthResponse(**self.health())
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
-        if not self._authorized(grpc_context, "models"):
+        try:
+            self._authorize(grpc_caller(grpc_context), "models")
+        except Refused as e:
+            set_grpc_status(grpc_context, e)
             return pb.ListModelsResponse()
-        models = [pb.ModelInfo(role="target", name=self.cfg.target, vocab_size=self.vocab_size,
+        models = [pb.ModelInfo(role="target", name=self.model_id, vocab_size=self.vocab_size,
                                max_position=self.max_position)]
         if self.draft is not None:
             models.append(pb.ModelInfo(role="draft", name=self.cfg.draft, vocab_size=self.vocab_size,
                                        max_position=self.max_position))
-        modes = [m for m in MODES if self.draft is not None or m in ("ar", "lookahead", "auto")]
-        return pb.ListModelsResponse(models=models, modes=modes, default_mode=self.orch.default_decode.mode)
+        return pb.ListModelsResponse(models=models, modes=self.modes(), default_mode=self.orch.default_decode.mode)
 
     async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
         """Free the caller's request ``request_id`` now (the SDK sends this when it abandons a stream)."""
-        if not self._authorized(grpc_context, "cancel"):
+        caller = grpc_caller(grpc_context)
+        try:
+            self._authorize(caller, "cancel")
+        except Refused as e:
+            set_grpc_status(grpc_context, e)
             return pb.CancelResponse()
-        owner = self._owner(grpc_context)
+        owner = caller.key if self._keys is not None else None
         found = [r for r in self._requests.values() if r.client_id == request.request_id and r.owner == owner]
         for r in found:
             self._close(r)
         return pb.CancelResponse(cancelled=bool(found))
+
+    # ---- the OpenAI-compatible HTTP front-end (Serve's HTTP proxy calls this) ---------------------
+
+    async def __call__(self, request):
+        if not self.cfg.http_port:
+            return openai_http.off()
+        return await openai_http.handle(self, request)
+
+    # ---- what every front-end shares ------------------------------------------------------
+
+    def health(self) -> dict:
+        alive = not self._draining and (self._loop_task is None or not self._loop_task.done())
+        return dict(serving=alive, active_requests=len(self.orch.active), queued_requests=len(self._waiting),
+                    queue_capacity=self.cfg.queue_capacity)
+
+    def modes(self) -> list[str]:
+        return [m for m in MODES if self.draft is not None or m in ("ar", "lookahead", "auto")]
 
     async def stats(self) -> dict:
         """Router counters for tests and the demo (not part of the gRPC API)."""
@@ -194,19 +220,21 @@ class Router:
         async for reply in collaborate(self, request_stream, grpc_context):
             yield reply
 
-    async def _open(self, request: pb.GenerateRequest, grpc_context, edge: bool = False) -> _Request | None:
-        """Authenticate, check, tokenize (off the event loop) and admit; on refusal set the status code and
-        return None. Everything that costs nothing runs before the tokenizer, so refusals take no time.
+    async def _open(self, request: pb.GenerateRequest, caller: Caller, edge: bool = False) -> _Request:
+        """The one request path: authenticate, check, tokenize (off the event loop) and admit; a refusal
+        raises Refused. Everything that costs nothing runs before the tokenizer, so refusals take no time.
         ``edge``: a Collaborate request, drafted by the client."""
         arrived = time.perf_counter()
-        mode = request.mode or "default"
-        if not self._authorized(grpc_context, mode):
-            return None
+        mode, frontend = request.mode or "default", caller.frontend
+        self._authorize(caller, mode)
         if self._draining:
-            return self._refuse(grpc_context, mode, grpc.StatusCode.UNAVAILABLE,
-                                "this server is shutting down and admits no new requests; retry")
+            raise self._refuse(mode, grpc.StatusCode.UNAVAILABLE,
+                               "this server is shutting down and admits no new requests; retry", frontend)
+        if request.model and request.model != self.model_id:
+            raise self._refuse(mode, grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here "
+                               f"(served: {self.model_id})", frontend)
         if self._full():
-            return self._refuse_full(grpc_context, mode)
+            raise self._refuse_full(mode, frontend)
         try:
             protocol.check_limits(request, self.cfg.limits)
             req = await asyncio.get_running_loop().run_in_executor(
@@ -215,17 +243,24 @@ class Router:
             self._n += 1
             req.request_id = f"{self._id}-{self._n}"
             self.orch.validate(req, edge=edge)
+            if (request.HasField("logprobs") or request.echo) and edge:
+                raise InvalidRequestError("logprobs and echo are not served for Collaborate requests")
+            if max(req.prompt_ids) >= self.vocab_size:
+                raise InvalidRequestError(f"prompt token ids must be below the vocabulary size {self.vocab_size}")
         except CalidError as e:
-            return self._refuse(grpc_context, mode, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise self._refuse(mode, grpc.StatusCode.INVALID_ARGUMENT, str(e), frontend) from None
         if self._full():  # others were admitted while this one was tokenized
-            return self._refuse_full(grpc_context, req.decode.mode)
+            raise self._refuse_full(req.decode.mode, frontend)
         r = _Request(request.request_id or req.request_id, req.decode.mode, req,
-                     time.monotonic() + self.cfg.request_timeout_s, owner=self._owner(grpc_context), edge=edge,
-                     arrived=arrived)
+                     time.monotonic() + self.cfg.request_timeout_s,
+                     owner=caller.key if self._keys is not None else None, edge=edge, arrived=arrived,
+                     frontend=frontend, logprobs=request.logprobs if request.HasField("logprobs") else None,
+                     echo=request.echo, score_only=protocol.score_only(request))
         self._requests[req.request_id] = r
-        self._waiting.append(req.request_id)
-        self._ensure_loop()
-        self._wake.set()
+        if not r.score_only:
+            self._waiting.append(req.request_id)
+            self._ensure_loop()
+            self._wake.set()
         return r
 
     def _full(self) -> bool:
@@ -233,45 +268,40 @@ class Router:
         # that arrives during a step must count against decoding slots and queue together
         return len(self._waiting) + len(self.orch.active) >= self.cfg.max_active + self.cfg.queue_capacity
 
-    def _refuse_full(self, grpc_context, mode: str) -> None:
-        return self._refuse(grpc_context, mode, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"admission queue is full ({self.cfg.queue_capacity} waiting beside "
-                            f"{self.cfg.max_active} decoding); retry later")
+    def _refuse_full(self, mode: str, frontend: str) -> Refused:
+        refused = self._refuse(mode, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"admission queue is full ({self.cfg.queue_capacity} waiting beside "
+                               f"{self.cfg.max_active} decoding); retry later", frontend)
+        refused.retry_after_s = RETRY_AFTER_S
+        return refused
 
-    def _owner(self, grpc_context) -> str | None:
-        if self._keys is None or grpc_context is None:
-            return None
-        return bearer(grpc_context.invocation_metadata())
+    def _authorize(self, caller: Caller, mode: str) -> None:
+        if self._keys is not None and not allowed(self._keys, caller.key):
+            raise self._refuse(mode, grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key: send "
+                               "'authorization: Bearer <key>' (gRPC metadata or HTTP header)", caller.frontend)
 
-    def _authorized(self, grpc_context, mode: str) -> bool:
-        if self._keys is None:
-            return True
-        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
-        if allowed(self._keys, bearer(metadata)):
-            return True
-        self._refuse(grpc_context, mode, grpc.StatusCode.UNAUTHENTICATED,
-                     "missing or unknown API key: send metadata 'authorization: Bearer <key>'")
-        return False
-
-    def _refuse(self, grpc_context, mode: str, code: grpc.StatusCode, message: str) -> None:
+    def _refuse(self, mode: str, code: grpc.StatusCode, message: str, frontend: str = "grpc") -> Refused:
+        """Count a refused (or failed) request and return the Refused to raise."""
         # a metric tag from a known set only: a client's mode string is unbounded and may not be ASCII
         self._metrics.failed(mode if mode in MODES or mode in ("default", "models", "cancel") else "invalid",
-                             code.name)
-        if grpc_context is not None:
-            grpc_context.set_code(code)
-            grpc_context.set_details(message)
-        return None
+                             code.name, frontend if frontend in FRONTENDS else "grpc")
+        return Refused(code, message)
 
     def _fail(self, grpc_context, r: _Request, failure: Failure):
-        self._refuse(grpc_context, r.mode, failure.code, failure.message)
+        set_grpc_status(grpc_context, self._refuse(r.mode, failure.code, failure.message, r.frontend))
         return pb.GenerateResponse(request_id=r.client_id)
 
-    async def _events(self, r: _Request):
-        """The request's events until it finishes or fails (an edge request's: until its round ends)."""
+    async def _events(self, r: _Request, idle_s: float | None = None):
+        """The request's events until it finishes or fails (an edge request's: until its round ends).
+        ``idle_s``: yield IDLE whenever nothing happened for this long (a front-end's keep-alive)."""
         while True:
+            left = max(0.0, r.deadline - time.monotonic())
             try:
-                item = await asyncio.wait_for(r.events.get(), timeout=max(0.0, r.deadline - time.monotonic()))
+                item = await asyncio.wait_for(r.events.get(), timeout=left if idle_s is None else min(left, idle_s))
             except asyncio.TimeoutError:
+                if idle_s is not None and r.deadline > time.monotonic():
+                    yield IDLE
+                    continue
                 yield Failure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"request did not finish within request_timeout_s={self.cfg.request_timeout_s:g}")
                 return
@@ -419,7 +449,7 @@ class Router:
                 r.events.put_nowait(e)
                 if e.result is not None:
                     try:
-                        self._metrics.finished(e.result, r.mode)
+                        self._metrics.finished(e.result, r.mode, r.frontend)
                     except Exception:  # metrics must never fail a request
                         log.exception("calid router: recording metrics failed")
 

@@ -272,5 +272,10 @@ class TargetDeployment(_WorkerBase):
     async def _forward(self, calls: list[list]) -> list[list]:
         return await self._run_batch(self.worker.verify, calls)
 
+    async def score(self, tasks: list, replica: str | None = None) -> list:
+        """Log-probabilities of the tasks' ids (calid.workers.ScoreTask), between this replica's forwards.
+        ``replica``: as in ``draft`` (the one holding the request's cache, whose prefix the score reuses)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.score, tasks)
+
     def _release(self, request_ids, final_ids) -> None:
         self.worker.release(request_ids, final_ids)

@@ -89,3 +89,12 @@ def _from_hub(repo_id: str) -> Path:
             "Use a preset (calid models list), a local folder or a .gguf file"
         ) from exc
     return Path(folder)
+
+
+def served_name(spec: str) -> str:
+    """The id a server lists this model under (OpenAI ``model``): a preset's name, a GGUF file's stem, a
+    folder's name, a hub id as it is."""
+    if spec in PRESETS or HUB_ID.match(spec) and not Path(spec).expanduser().exists():
+        return spec
+    path = Path(spec).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name or spec

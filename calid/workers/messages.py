@@ -75,6 +75,24 @@ class VerifyResult:
     rng: torch.Tensor | None = None
 
 
+@dataclass
+class ScoreTask:
+    """Log-probabilities of ``token_ids[start:]`` under the model, each given the ids before it
+    (OpenAI's logprobs and echo). ``top_k``: also the ``top_k`` most likely tokens at each position."""
+
+    request_id: Hashable
+    token_ids: list[int]
+    start: int  # >= 1: the first position scored (the first id has no context to score it by)
+    top_k: int = 0
+
+
+@dataclass
+class ScoreResult:
+    request_id: Hashable
+    logprobs: list[float]  # one per scored position
+    top: list[list[tuple[int, float]]]  # per position, the top_k (token id, log-probability), most likely first
+
+
 def load_generator(state: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator on ``device`` that continues the stream ``state`` describes.
 

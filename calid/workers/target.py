@@ -21,10 +21,12 @@ from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
 from calid.decoding.sampling import warp
 from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled, verify_stochastic
 from calid.runtime.runner import ModelRunner, SeqInput
-from calid.workers.messages import VerifyResult, VerifyTask, load_generator, require_full_ids, save_generator
+from calid.workers.messages import ScoreResult, ScoreTask, VerifyResult, VerifyTask, load_generator, require_full_ids, save_generator
 
 
 MIN_CHUNK = 32  # a prefill chunk is never smaller than this, so a long prompt always progresses
+SCORE_ROWS = 128  # logits rows per scoring forward: bounds its memory (128 x 152k vocab x 4 B = 78 MB)
+MAX_TOP_K = 20
 
 
 class TargetWorker:
@@ -74,6 +76,37 @@ class TargetWorker:
                 self._global.eliminate(rid)
             else:
                 self._tries.pop(rid, None)
+
+    # ---- log-probabilities (OpenAI logprobs / echo) ----------------------------------
+
+    def score(self, tasks: list[ScoreTask]) -> list[ScoreResult]:
+        """Each task's ids scored by the model, in forwards of at most SCORE_ROWS logits rows, under a cache
+        key of its own (a prefix another sequence holds is reused; the request's own cache is not touched)."""
+        return [self._score(t) for t in tasks]
+
+    def _score(self, t: ScoreTask) -> ScoreResult:
+        if not 1 <= t.start <= len(t.token_ids) or not 0 <= t.top_k <= MAX_TOP_K:
+            raise ValueError(f"score: start {t.start} of {len(t.token_ids)} ids, top_k {t.top_k} (at most {MAX_TOP_K})")
+        key, ids = ("score", t.request_id), t.token_ids
+        logprobs, top = [], []
+        try:
+            for pos in range(t.start, len(ids), SCORE_ROWS):  # ids[p] is scored by the logits row at p - 1
+                end = min(len(ids), pos + SCORE_ROWS)
+                suffix = self.runner.sync(key, ids[:end], keep_at_most=pos - 1)
+                first = end - len(suffix)  # position of suffix[0]
+                rows = self.runner.forward([SeqInput(key, suffix, logits_at=list(range(pos - 1 - first,
+                                                                                     end - 1 - first)))])[0]
+                lp = torch.log_softmax(rows.float(), -1)
+                chosen = torch.tensor(ids[pos:end], dtype=torch.long, device=lp.device)
+                logprobs += lp.gather(1, chosen[:, None]).squeeze(1).tolist()
+                if t.top_k:
+                    values, indices = lp.topk(t.top_k, -1)
+                    top += [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+                else:
+                    top += [[] for _ in range(end - pos)]
+        finally:
+            self.runner.release(key)
+        return ScoreResult(t.request_id, logprobs, top)
 
     # ---- one batched verification --------------------------------------------------
 

@@ -32,9 +32,18 @@ def serve_port():
     assert LOOPBACK_ENV
     start_ray(num_cpus=8, dashboard=False)
     port = _free_port()
-    serve.start(grpc_options=grpc_options(port), http_options={"host": "127.0.0.1", "port": _free_port()})
+    HTTP["port"] = _free_port()
+    serve.start(grpc_options=grpc_options(port), http_options={"host": "127.0.0.1", "port": HTTP["port"]})
     yield port
     shutdown()
+
+
+HTTP = {}  # the session's HTTP proxy port
+
+
+@pytest.fixture(scope="session")
+def http_port(serve_port):
+    return HTTP["port"]
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +51,12 @@ def small_app(serve_port):
     # fp32: the draft's confidences then match the in-process engine's exactly (bf16 on torch may round
     # differently in another process), so filter-mode statistics compare exactly
     return deploy(AppConfig.small(app_name="calid", grpc_port=serve_port, dtype="fp32"))
+
+
+@pytest.fixture(scope="session")
+def base_url(small_app, http_port):
+    """The OpenAI base URL of the session's app (route prefix /calid)."""
+    return f"http://127.0.0.1:{http_port}/{small_app.app_name}/v1"
 
 
 @pytest.fixture()

@@ -41,7 +41,7 @@ def test_defaults_fill_unset_fields():
     ({"gamma": 0}, "gamma"),
     ({"threshold": 1.5}, "threshold"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "x"}], "prompt": "y"}, "prompt or messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "y"}, "one of prompt, messages or prompt_token_ids"),
     ({"stop": ["s"] * 17}, "stop"),
 ])
 def test_bad_fields_are_named(kw, field):
