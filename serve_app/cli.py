@@ -9,6 +9,7 @@ import threading
 import time
 
 from calid.errors import CalidError
+from calid.models.source import served_name
 from serve_app.config import AppConfig, ConfigError
 
 
@@ -18,6 +19,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model spec (default: the Qwen 1.5B preset)")
     p.add_argument("--draft", default=None, help="draft model spec, self:N, or none")
     p.add_argument("--port", type=int, default=50051, help="gRPC port on 127.0.0.1 (default 50051)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API on 127.0.0.1 (default 8000; 0 turns it off)")
     p.add_argument("--max-active", type=int, default=16, help="requests decoded at once (default 16)")
     p.add_argument("--queue-capacity", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
@@ -33,7 +36,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args) -> AppConfig:
-    overrides = {"grpc_port": args.port, "max_active": args.max_active, "queue_capacity": args.queue_capacity}
+    overrides = {"grpc_port": args.port, "http_port": args.http_port, "max_active": args.max_active,
+                 "queue_capacity": args.queue_capacity}
     if args.target:
         overrides["target"] = args.target
     if args.draft:
@@ -71,6 +75,7 @@ def cmd_serve(args) -> int:
         _on_signals(stop)  # ray.init installs its own SIGTERM handler (exit at once); ours drains
         tls = " over TLS" if cfg.tls_cert_file else ""
         print(f"[calid] serving gRPC{tls} on 127.0.0.1:{cfg.grpc_port} (app {cfg.app_name})", file=sys.stderr)
+        _print_http(cfg, "[calid]", sys.stderr)
         if url:
             print(f"[calid] Ray dashboard: {url}  (Serve tab: replicas; Metrics tab: calid panels)", file=sys.stderr)
         print(f'[calid] try: calid client "Write a haiku about caches" --address 127.0.0.1:{cfg.grpc_port}; '
@@ -82,6 +87,21 @@ def cmd_serve(args) -> int:
         print("[calid] shutting down Ray", file=sys.stderr)
         shutdown()
     return 0
+
+
+def _print_http(cfg, tag: str, out) -> None:
+    from serve_app.app import base_url
+
+    url = base_url(cfg)
+    if url is None:
+        print(f"{tag} HTTP API off (--http-port 0)", file=out, flush=True)
+        return
+    model = served_name(cfg.target)
+    print(f"{tag} OpenAI-compatible API: {url}  (model {model!r}; any openai/LangChain client with base_url={url})",
+          file=out, flush=True)
+    print(f"{tag} try: curl -s {url}/chat/completions -H 'Content-Type: application/json' -d "
+          f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Say hi\"}}], "
+          f"\"max_tokens\": 16}}'", file=out, flush=True)
 
 
 def _on_signals(stop: threading.Event) -> None:
@@ -163,6 +183,7 @@ def cmd_demo(args) -> int:
         url = serve_app(cfg, dashboard=not args.no_dashboard)
         print(f"[demo] ready in {time.perf_counter() - start:.0f} s: gRPC 127.0.0.1:{cfg.grpc_port}"
               + (f", Ray dashboard {url}" if url else ""), flush=True)
+        _print_http(cfg, "[demo]", sys.stdout)
         edge = f"; {'speculative' + EDGE} drafts here, with a local {cfg.draft} (Collaborate)" if cfg.draft else ""
         print(f"[demo] concurrent streams through the SDK, one per mode{edge}:", flush=True)
         t0 = time.perf_counter()

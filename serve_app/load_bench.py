@@ -87,7 +87,7 @@ def run(args) -> int:
 
     modes, sweep, rates = _options(args)
     base = AppConfig.small if args.small else AppConfig
-    cfg = base(grpc_port=args.port, max_active=max(16, max(sweep)), queue_capacity=256)
+    cfg = base(grpc_port=args.port, http_port=0, max_active=max(16, max(sweep)), queue_capacity=256)
     _, folder = model_facts(cfg.target, cfg.target_backend, cfg.target_on, cfg.sharded, show_progress=False)
     tokenizer = load_tokenizer(folder)
     corpus = tokenizer("\n\n".join(humaneval_prompts()), add_special_tokens=False)["input_ids"]

@@ -157,7 +157,7 @@ class Router:
         except Refused as e:
             set_grpc_status(grpc_context, e)
             return pb.ListModelsResponse()
-        models = [pb.ModelInfo(role="target", name=self.model_id, vocab_size=self.vocab_size,
+        models = [pb.ModelInfo(role="target", name=self.cfg.target, vocab_size=self.vocab_size,
                                max_position=self.max_position)]
         if self.draft is not None:
             models.append(pb.ModelInfo(role="draft", name=self.cfg.draft, vocab_size=self.vocab_size,
@@ -230,7 +230,7 @@ class Router:
         if self._draining:
             raise self._refuse(mode, grpc.StatusCode.UNAVAILABLE,
                                "this server is shutting down and admits no new requests; retry", frontend)
-        if request.model and request.model != self.model_id:
+        if request.model and request.model not in (self.model_id, self.cfg.target):
             raise self._refuse(mode, grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here "
                                f"(served: {self.model_id})", frontend)
         if self._full():
@@ -312,7 +312,9 @@ class Router:
     def _close(self, r: _Request) -> None:
         """The caller is done with ``r`` (finished, failed, or the client went away): free its state."""
         rid = r.req.request_id
-        if rid in self._requests:
+        if r.score_only:  # never entered the step loop
+            self._requests.pop(rid, None)
+        elif rid in self._requests:
             self._cancelled.add(rid)
             self._wake.set()
 

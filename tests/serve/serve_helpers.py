@@ -31,6 +31,15 @@ def wait_until(predicate, timeout_s: float = 30.0, every_s: float = 0.2):
     return predicate()
 
 
+def forget_admitted(router) -> None:
+    """Drop what an in-process router admitted before its step loop runs (a router with no workers)."""
+    router._requests.clear()
+    router._waiting.clear()
+    if router._loop_task is not None:
+        router._loop_task.cancel()
+        router._loop_task = None
+
+
 # ---- stand-ins for Serve's transport, to drive the router and the workers in process -----------------
 
 class GrpcContext:

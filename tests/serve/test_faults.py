@@ -10,6 +10,7 @@ from serve_helpers import GrpcContext, deploy, handle
 from calid.client import Client
 from calid.v1 import calid_pb2 as pb
 from serve_app.config import AppConfig
+from serve_app.frontdoor import Caller, Refused
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 
@@ -84,11 +85,10 @@ def test_admission_holds_for_a_burst_that_arrives_between_steps(serve_port):
     async def burst():
         router = Router.func_or_class(AppConfig.small(draft=None, max_active=4, queue_capacity=6).model_dump(),
                                       None, _DeadHandle())
-        contexts = [GrpcContext() for _ in range(150)]
-        opened = await asyncio.gather(*(router._open(pb.GenerateRequest(prompt="hi", max_new_tokens=4), c)
-                                        for c in contexts))
-        admitted = [r for r in opened if r is not None]
-        refused = [c for c in contexts if c.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        opened = await asyncio.gather(*(router._open(pb.GenerateRequest(prompt="hi", max_new_tokens=4), Caller())
+                                        for _ in range(150)), return_exceptions=True)
+        admitted = [r for r in opened if not isinstance(r, Exception)]
+        refused = [e for e in opened if isinstance(e, Refused) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         for r in admitted:
             router._close(r)
         router._loop_task.cancel()

@@ -12,11 +12,12 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from serve_helpers import GrpcContext
+from serve_helpers import forget_admitted
 
 from calid.decoding.modes import MODES
 from calid.v1 import calid_pb2 as pb
 from serve_app.config import AppConfig
+from serve_app.frontdoor import Caller, Refused
 
 pytestmark = [pytest.mark.model]
 
@@ -60,21 +61,19 @@ def router():
 @given(msg=requests())
 def test_any_request_is_admitted_or_refused_with_a_clear_status(router, msg):
     async def open_and_close():
-        ctx = GrpcContext()
-        r = await router._open(msg, ctx)
-        if r is not None:
-            router._requests.clear()  # admitted: drop it before the step loop runs (no workers here)
-            router._waiting.clear()
-            router._loop_task.cancel()
-            router._loop_task = None
-        return r, ctx
+        try:
+            r = await router._open(msg, Caller())
+        except Refused as e:
+            return None, e
+        forget_admitted(router)
+        return r, None
 
-    r, ctx = asyncio.run(open_and_close())
+    r, refused = asyncio.run(open_and_close())
     if r is None:
-        assert ctx.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), ctx.code
-        assert ctx.message and "\n" not in ctx.message and len(ctx.message) < 400
+        assert refused.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), refused.code
+        assert refused.message and "\n" not in refused.message and len(refused.message) < 400
     else:
-        assert ctx.code is None and r.req.prompt_ids and r.req.params.max_new_tokens <= 4096
+        assert r.req.prompt_ids and r.req.params.max_new_tokens <= 4096
 
 
 @pytest.mark.ray

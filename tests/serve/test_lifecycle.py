@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import psutil
 import pytest
 
@@ -63,9 +65,9 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
     """Served over TLS (the front of serve_app.tls_front), so the whole path is the one an operator runs."""
     cert, key = self_signed
     tls = str(cert)
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     proc = subprocess.Popen([CALID, "serve", "--small", "--draft", "none", "--port", str(port), "--no-dashboard",
-                             "--drain-grace-s", "120", "--tls-cert", str(cert), "--tls-key", str(key)],
+                             "--http-port", str(http_port), "--drain-grace-s", "120", "--tls-cert", str(cert), "--tls-key", str(key)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_user_env(), start_new_session=True)
     try:
@@ -75,7 +77,8 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
         assert family, "Ray's processes should be the server's children"
         (gcs,) = [c for c in children if "gcs_server" in c.name()]
         assert "--node-ip-address=127.0.0.1" in gcs.cmdline()  # Ray on loopback, as in the tests
-        results, first_chunk = {}, threading.Barrier(4)
+        results, first_chunk = {}, threading.Barrier(5)
+        base_url = f"http://127.0.0.1:{http_port}/v1"
 
         def stream(i):
             with Client(f"localhost:{port}", timeout=300, tls=tls) as c:
@@ -87,7 +90,19 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
                         first_chunk.wait(60)
                 results[i] = ids
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        def http_stream():  # the same drain holds for the OpenAI front-end
+            with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=300) as c:
+                text, started = "", False
+                for chunk in c.completions.create(model="smollm2-135m-instruct", prompt="Count to fifty:",
+                                                  max_tokens=40, stream=True, extra_body={"ignore_eos": True},
+                                                  stream_options={"include_usage": True}):
+                    if chunk.usage is not None:
+                        results["http"] = chunk.usage.completion_tokens
+                    if not started:
+                        started = True
+                        first_chunk.wait(60)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)] + [threading.Thread(target=http_stream)]
         for t in threads:
             t.start()
         first_chunk.wait(120)  # all three are decoding
@@ -96,6 +111,8 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
         with Client(f"localhost:{port}", timeout=30, retries=0, tls=tls) as c:
             with pytest.raises(Unavailable, match="shutting down"):
                 c.generate("Are you there?", max_new_tokens=4)
+        refused = httpx.post(f"{base_url}/completions", json={"prompt": "Are you there?", "max_tokens": 4}, timeout=30)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
         for t in threads:
             t.join(240)
         rc = proc.wait(240)
@@ -104,8 +121,10 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
             os.killpg(proc.pid, signal.SIGKILL)
     err = proc.stderr.read()
     assert rc == 0, err[-3000:]
+    assert results.pop("http") == 40
     assert sorted(results) == [0, 1, 2] and all(len(ids) == 40 for ids in results.values())
-    assert "SIGTERM: draining" in err and "3 in flight" in err and "serving gRPC over TLS" in err
+    assert "SIGTERM: draining" in err and "4 in flight" in err and "serving gRPC over TLS" in err
+    assert f"OpenAI-compatible API: {base_url}" in err
     assert "Traceback" not in err and "Fatal Python error" not in err
     time.sleep(2)
     assert _alive(family) == []

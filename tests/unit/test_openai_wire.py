@@ -1,0 +1,139 @@
+"""OpenAI JSON <-> calid.v1.GenerateRequest, errors and reply shapes (serve_app.openai_wire), by hand."""
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from calid.generation import DecodeStats, GenerationResult
+from calid.v1 import calid_pb2 as pb
+from serve_app import openai_wire as wire
+from serve_app.outputs import Output
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_chat_fields_translate_to_the_proto():
+    msg, opts = wire.chat_request({**CHAT, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+                                   "stop": "\n", "mode": "filter", "threshold": 0.7, "gamma": 4, "top_k": 5,
+                                   "ignore_eos": True, "user": "u", "metadata": {"a": 1}, "presence_penalty": 0,
+                                   "frobnicate": [1, 2], "logit_bias": None, "n": 1, "stream": True,
+                                   "stream_options": {"include_usage": True}})
+    assert (msg.model, msg.max_new_tokens, msg.seed, list(msg.stop), msg.mode, msg.gamma, msg.top_k) == \
+        ("m", 7, 3, ["\n"], "filter", 4, 5)
+    assert msg.temperature == pytest.approx(0.5) and msg.threshold == pytest.approx(0.7) and msg.ignore_eos
+    assert opts.stream and opts.include_usage and opts.logprobs is None
+    assert [(m.role, m.content) for m in msg.messages] == [("user", "hi")]
+
+
+def test_chat_defaults_and_precedence():
+    msg, opts = wire.chat_request({**CHAT, "max_tokens": 5, "max_completion_tokens": 9, "temperature": None})
+    assert msg.max_new_tokens == 9 and not msg.HasField("temperature") and not opts.stream
+    msg, _ = wire.chat_request(CHAT)
+    assert not msg.HasField("max_new_tokens")  # the server's default
+    msg, _ = wire.chat_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                             {"type": "text", "text": "b"}]},
+                                             {"role": "assistant", "content": None}]})
+    assert [(m.role, m.content) for m in msg.messages] == [("system", "ab"), ("assistant", "")]
+    msg, opts = wire.chat_request({**CHAT, "logprobs": True, "top_logprobs": 3})
+    assert msg.logprobs == 3 and opts.logprobs == 3
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"n": 2}, "n"), ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": "12"}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": 10**30}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
+    ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"stop": [1]}, "stop"), ({"stream": "yes"}, "stream"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"), ({"model": 3}, "model"),
+])
+def test_bad_chat_fields_are_400_naming_the_field(extra, param):
+    with pytest.raises(wire.WireError) as e:
+        wire.chat_request({**CHAT, **extra})
+    assert e.value.status == 400 and e.value.param == param and e.value.body()["error"]["param"] == param
+
+
+def test_completion_prompts_of_every_shape():
+    for prompt, want in (("a", [("a", [])]), (["a", "b"], [("a", []), ("b", [])]), ([1, 2], [("", [1, 2])]),
+                         ([[1], [2, 3]], [("", [1]), ("", [2, 3])])):
+        msgs, _ = wire.completion_requests({"prompt": prompt})
+        assert [(m.prompt, list(m.prompt_token_ids)) for m in msgs] == want
+        assert all(m.raw_prompt and m.max_new_tokens == 16 for m in msgs)  # OpenAI's completions default
+    msgs, opts = wire.completion_requests({"prompt": [5, 6], "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert msgs[0].echo and msgs[0].logprobs == 1 and msgs[0].max_new_tokens == 0 and opts.echo
+    for bad in (None, "", [], [[]], [1, "a"], [True], [[1], "a", 2], [-1], ["x"] * 65):
+        with pytest.raises(wire.WireError) as e:
+            wire.completion_requests({"prompt": bad} if bad != "" else {"prompt": []})
+        assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe{}", b'{"model": "m", "messages": [', b"[1, 2]", b'{"a": NaN}',
+                                 b'{"a": Infinity}', b"", b"[" * 100000])
+def test_bodies_that_are_not_json_objects_are_400(raw):
+    with pytest.raises(wire.WireError) as e:
+        wire.parse_json(raw)
+    assert e.value.status == 400
+
+
+def test_path_refusals_map_to_http_statuses():
+    e = wire.from_status(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be at most 4096, got 5000")
+    assert (e.status, e.param, e.message) == (400, "max_tokens", "max_tokens must be at most 4096, got 5000")
+    assert wire.from_status(grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1], got 0.0").param == "top_p"
+    assert wire.from_status(grpc.StatusCode.INVALID_ARGUMENT, "prompt is 9 tokens, over ...").param == "prompt"
+    assert wire.from_status(grpc.StatusCode.INVALID_ARGUMENT, "request is 9 bytes").param is None
+    for code, status in ((grpc.StatusCode.UNAUTHENTICATED, 401), (grpc.StatusCode.NOT_FOUND, 404),
+                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+                         (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500)):
+        assert wire.from_status(code, "x").status == status
+    assert wire.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", 1.0).retry_after_s == 1.0
+
+
+def _lp(token, logprob, *top):
+    return pb.TokenLogprob(token_id=token, logprob=logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+
+
+def _result(output_ids, finish="length", prompt_tokens=3):
+    return GenerationResult("r", prompt_tokens, output_ids, "", finish, 0.1, 0.2, DecodeStats(target_tokens=len(output_ids)))
+
+
+def _decode(ids):
+    return "".join(f"<{i}>" for i in ids)
+
+
+def test_completion_reply_with_echo_and_logprobs():
+    _, opts = wire.completion_requests({"prompt": [1, 2, 3], "max_tokens": 1, "echo": True, "logprobs": 1})
+    out = Output(text="<9>", token_ids=[9], logprobs=[_lp(9, -0.5, (9, -0.5))], result=_result([9]),
+                 prompt_ids=[1, 2, 3], prompt_logprobs=[_lp(2, -1.0, (4, -0.25)), _lp(3, -2.0, (3, -2.0))])
+    obj = wire.Reply("completion", opts, "served", _decode, ["ar"]).whole([out])
+    choice = obj["choices"][0]
+    assert obj["model"] == "served" and obj["object"] == "text_completion"
+    assert choice["text"] == "<1><2><3><9>" and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["<1>", "<2>", "<3>", "<9>"] and lp["token_logprobs"] == [None, -1.0, -2.0, -0.5]
+    assert lp["top_logprobs"] == [None, {"<4>": -0.25}, {"<3>": -2.0}, {"<9>": -0.5}]
+    assert lp["text_offset"] == [0, 3, 6, 9]
+    assert obj["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert obj["calid"]["mode"] == "ar" and obj["calid"]["output_tokens"] == 1
+
+
+def test_chat_stream_chunks_and_usage():
+    _, opts = wire.chat_request({**CHAT, "stream": True, "stream_options": {"include_usage": True},
+                                 "logprobs": True, "top_logprobs": 1})
+    reply = wire.Reply("chat", opts, "served", _decode, ["speculative"])
+    first = reply.chunk(0, Output(text="<5>", token_ids=[5], logprobs=[_lp(5, -0.125, (5, -0.125))]), first=True)
+    last = reply.chunk(0, Output(text="", token_ids=[2], logprobs=[_lp(2, -0.375, (2, -0.375))],
+                                 result=_result([5, 2], "eos")), first=False)
+    assert first["object"] == "chat.completion.chunk" and first["usage"] is None
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "<5>"}
+    assert first["choices"][0]["logprobs"]["content"][0] == {
+        "token": "<5>", "logprob": -0.125, "bytes": list(b"<5>"),
+        "top_logprobs": [{"token": "<5>", "logprob": -0.125, "bytes": list(b"<5>")}]}
+    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["delta"] == {}
+    assert last["calid"]["mode"] == "speculative"
+    usage = reply.usage_chunk(3, 2)
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
+    assert wire.sse(usage).startswith("data: {") and wire.sse(usage).endswith("}\n\n")
+    assert json.loads(wire.sse(usage)[6:]) == usage
