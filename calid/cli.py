@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     from calid.bench import step as bench_step
 
     bench_step.add_parser(bsub)
+    from calid.bench import invariance as bench_invariance
+
+    bench_invariance.add_parser(bsub)
     from calid.bench import gpu as bench_gpu
 
     bench_gpu.add_parser(bsub)

@@ -12,9 +12,11 @@ from typing import Hashable
 
 import torch
 
+from calid.models.invariant import use_invariant_linears
 from calid.models.llama import LlamaModel
 from calid.runtime.batch import Batch, SeqSlice, device_longs, tree_mask
 from calid.runtime.graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from calid.runtime.invariant_attention import InvariantAttention
 from calid.runtime.kv_cache import KVCache, KVCacheStore
 from calid.runtime.paged import DEFAULT_BLOCK_SIZE, BlockPool, PagedKVCache
 
@@ -57,17 +59,27 @@ class ModelRunner:
 
     ``graphs``: ``cuda`` replays decode steps (one token per sequence, up to ``graph_batch_sizes[-1]``
     sequences) from captured CUDA graphs (:mod:`calid.runtime.graphs`); ``static`` runs the same padded static
-    step without capture (any device: the reference the graphs replay); ``off`` (default) neither."""
+    step without capture (any device: the reference the graphs replay); ``off`` (default) neither.
+
+    ``invariant``: batch-invariant forwards (calid.models.invariant, calid.runtime.invariant_attention): a
+    sequence's logits depend only on its own tokens, never on what else shares the forward nor on how many of
+    its tokens the forward feeds (decode, verification, tree, prefill chunk), in every dtype. The model's
+    linears are converted in place."""
 
     def __init__(self, model: LlamaModel, kv_budget_bytes: int | None = None, charged_layers: int | None = None,
                  kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE, graphs: str = "off",
-                 graph_batch_sizes=DEFAULT_BATCH_SIZES):
+                 graph_batch_sizes=DEFAULT_BATCH_SIZES, invariant: bool = False):
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, not {kv_layout!r}")
         if graphs not in GRAPH_MODES:
             raise ValueError(f"graphs must be one of {', '.join(GRAPH_MODES)}, not {graphs!r}")
         if graphs != "off" and kv_layout != "paged":
             raise ValueError("decode graphs read the paged KV cache: use kv_layout='paged'")
+        if invariant and (kv_layout != "paged" or graphs != "off"):
+            raise ValueError("batch-invariant forwards need kv_layout='paged' and graphs='off'")
+        if invariant:
+            use_invariant_linears(model)
+        self.invariant = invariant
         self.model = model
         cfg = model.cfg
         self.kv_layout = kv_layout
@@ -195,4 +207,5 @@ class ModelRunner:
             seqs=seqs,
             logits_index=device_longs(logits_index, device),
             max_position=max(positions),
+            attention=InvariantAttention(seqs) if self.invariant else None,
         )
