@@ -139,9 +139,10 @@ class OpenModel:
 
 def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
-               log=None, graphs: str = "off") -> OpenModel:
+               log=None, graphs: str = "off", invariant: bool = False) -> OpenModel:
     """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why. ``graphs``: a
-    torch model's decode graphs (ModelRunner's ``graphs``)."""
+    torch model's decode graphs (ModelRunner's ``graphs``); ``invariant``: a torch model's batch-invariant
+    forwards (ModelRunner's ``invariant``; llama.cpp's exact mode is batch-invariant already)."""
     chosen, why = pick_backend(backend, spec, device)
     say = log or (lambda line: print(line, file=sys.stderr))
     if chosen == "llamacpp":
@@ -163,13 +164,13 @@ def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: st
     lm = load_model(spec, dt, device, show_progress)
     if backend == "auto":
         say(f"[calid] {spec}: torch {dt} on {device} ({why})")
-    return OpenModel(lm.name, "torch", dt, ModelRunner(lm.model, kv_budget_bytes, graphs=graphs), lm.tokenizer, lm.eos_ids,
-                     lm.path, lm.decode_read_bytes, lm)
+    runner = ModelRunner(lm.model, kv_budget_bytes, graphs=graphs, invariant=invariant)
+    return OpenModel(lm.name, "torch", dt, runner, lm.tokenizer, lm.eos_ids, lm.path, lm.decode_read_bytes, lm)
 
 
 def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
-               log=None) -> OpenModel:
+               log=None, invariant: bool = False) -> OpenModel:
     """A draft for ``target`` (an OpenModel, or the target's spec where it runs elsewhere): a model spec,
     or ``self:N``, the target's first N layers, always on torch (llama.cpp cannot run a subset of a
     model's layers)."""
@@ -179,7 +180,8 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
     say = log or (lambda line: print(line, file=sys.stderr))
     layers = parse_self_draft(spec)
     if layers is None:
-        draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log)
+        draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log,
+                           invariant=invariant)
         if isinstance(target, OpenModel):
             check_vocab(target, draft)
         return draft
@@ -194,7 +196,7 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
         say(f"[calid] {spec} of {target_name}: torch {dt} (llama.cpp cannot run a subset of a model's layers)")
         loaded = load_model(target_name, dt, device, show_progress)
     model = self_draft(loaded.model, layers)
-    return OpenModel(f"self:{layers} of {target_name}", "torch", dt, ModelRunner(model, kv_budget_bytes),
+    return OpenModel(f"self:{layers} of {target_name}", "torch", dt, ModelRunner(model, kv_budget_bytes, invariant=invariant),
                      loaded.tokenizer, loaded.eos_ids, loaded.path,
                      loaded.decode_read_bytes * layers // max(1, loaded.config.num_layers), loaded)
 

@@ -144,7 +144,8 @@ def decode_params(args):
 
 
 def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
-                 max_batch: int = 8, extra_specs: list[str] | tuple = (), draft_backend: str | None = None):
+                 max_batch: int = 8, extra_specs: list[str] | tuple = (), draft_backend: str | None = None,
+                 invariant: bool = False):
     """Engine over an opened target (calid.backends.OpenModel), an optional draft and extra tree drafters
     (model specs, or self:N). ``draft_backend`` defaults to ``backend``."""
     from calid.backends import open_draft
@@ -154,7 +155,7 @@ def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: s
         raise CalidError("--extra-draft needs a main --draft")
 
     def runner(spec: str):
-        return open_draft(spec, target, draft_backend or backend, dtype, device).runner
+        return open_draft(spec, target, draft_backend or backend, dtype, device, invariant=invariant).runner
 
     return Engine(target.runner, target.tokenizer, target.eos_ids,
                   draft=runner(draft_spec) if draft_spec else None, max_batch=max_batch,
@@ -170,6 +171,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="torch dtype; auto (default): bf16 on CUDA and on CPUs with native bf16, else fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="torch: batch-invariant forwards (greedy speculative/tree/lookahead equal ar in bf16 too; "
+                        "slower: calid bench invariance)")
 
 
 def cmd_models_list(args) -> int:
@@ -215,10 +219,10 @@ def cmd_generate(args) -> int:
         raise CalidError("prompt is empty")
     params, decode = sampling_params(args), decode_params(args)  # fail on bad flags before loading anything
     pick_backend(args.backend, args.model, args.device)
-    lm = open_model(args.model, args.backend, args.dtype, args.device)
+    lm = open_model(args.model, args.backend, args.dtype, args.device, invariant=args.batch_invariant)
     engine = build_engine(lm, args.draft if decode.uses_draft else None, args.backend, args.dtype, args.device,
                           extra_specs=args.extra_draft if decode.mode == "tree" else (),
-                          draft_backend=args.draft_backend)
+                          draft_backend=args.draft_backend, invariant=args.batch_invariant)
     request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params, decode=decode)
     for event in engine.stream([request]):
         sys.stdout.write(event.text)

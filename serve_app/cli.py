@@ -27,6 +27,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, choices=["auto", "torch", "llamacpp"],
                    help="both models' backend (default auto: llama.cpp on CPU for GGUF models)")
     p.add_argument("--dtype", default=None, choices=["auto", "fp32", "bf16"], help="torch dtype (default auto)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="torch models: batch-invariant forwards (see README: lossless and deterministic)")
     p.add_argument("--api-keys-file", default=None,
                    help="require API keys: a file with one accepted key per line (clients: --api-key)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
@@ -46,6 +48,8 @@ def config_from_args(args) -> AppConfig:
         overrides["target_backend"] = overrides["draft_backend"] = args.backend
     if args.dtype:
         overrides["dtype"] = args.dtype
+    if getattr(args, "batch_invariant", False):
+        overrides["batch_invariant"] = True
     if getattr(args, "api_keys_file", None):
         overrides["api_keys_file"] = args.api_keys_file
     if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):

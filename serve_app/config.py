@@ -66,6 +66,10 @@ class AppConfig(BaseModel):
     draft_device: str | None = Field(None, description="device of the draft replicas: cpu (draft replicas are given "
                                      "no GPU, so they run on CPU nodes beside GPU targets)")
     target_device: str | None = Field(None, description="device of the target replicas (default: device)")
+    batch_invariant: bool = Field(False, description="torch models: batch-invariant forwards (a request's logits "
+                                  "do not depend on what shares its batch nor on its mode's forward shapes: greedy "
+                                  "speculative/tree/lookahead equal ar in bf16 too); costs 20-60% on a 2-core CPU "
+                                  "(calid bench invariance); llama.cpp's exact mode is invariant already")
     cuda_graphs: bool = Field(False, description="a CUDA target replays its decode steps from captured CUDA graphs "
                               "(batch buckets 1-32; calid.runtime.graphs); not for TP/PP groups")
     target_backend: str = Field("auto", description="auto: llama.cpp on CPU for GGUF models, torch on CUDA, "
@@ -144,6 +148,8 @@ class AppConfig(BaseModel):
                 raise ValueError(f"{name} must be cpu or cuda, got {getattr(self, name)!r}")
         if self.target_on == "cuda" and self.target_num_gpus <= 0:
             raise ValueError("a cuda target needs target_num_gpus > 0 so that target replicas are placed on GPUs")
+        if self.batch_invariant and (self.cuda_graphs or self.sharded):
+            raise ValueError("batch_invariant is not built for CUDA graphs or TP/PP target groups")
         if self.cuda_graphs and (self.target_on != "cuda" or self.sharded):
             raise ValueError("cuda_graphs needs an unsharded target on cuda (target_device: cuda, target_tp = target_pp = 1)")
         if self.draft_device == "cuda":

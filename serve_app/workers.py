@@ -215,7 +215,7 @@ class DraftDeployment(_WorkerBase):
         self._setup(config)
         cfg = self.cfg
         lm = open_draft(cfg.draft, cfg.target, cfg.draft_backend, cfg.dtype, cfg.draft_on, self._kv_budget,
-                        cfg.worker_threads, show_progress=False, log=_log)
+                        cfg.worker_threads, show_progress=False, log=_log, invariant=cfg.batch_invariant)
         self._runner = lm.runner
         self.worker = DraftWorker(self._runner, lm.eos_ids, max_forward_tokens=cfg.max_forward_tokens)
 
@@ -246,7 +246,8 @@ class TargetDeployment(_WorkerBase):
             self.worker.cached()  # build the group now, so the replica is ready when Serve says so
             return
         lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,
-                        show_progress=False, log=_log, graphs="cuda" if cfg.cuda_graphs else "off")
+                        show_progress=False, log=_log, graphs="cuda" if cfg.cuda_graphs else "off",
+                        invariant=cfg.batch_invariant)
         self._runner = lm.runner
         self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)
 

@@ -9,8 +9,9 @@ from ``ar`` (SmolLM2 in bf16: logits moved by up to 0.48).
 
 The fix, exact by construction: every matmul runs in GEMMs of exactly ``rows`` rows. A forward's rows
 are cut into blocks of ``rows`` (the last one padded with zeros, whose outputs are dropped), so each row
-always meets the same kernel with the same reduction order, whatever else is in the forward. Blocks go
-through one batched GEMM (``torch.bmm`` over a stride-0 view of the weight: no copy).
+always meets the same kernel with the same reduction order, whatever else is in the forward. Each block is
+one ``F.linear`` call (a batched GEMM over a stride-0 view of the weight would copy the weight per call:
+measured, two thirds of a bf16 decode step).
 
 The block size is a cost trade-off, not a correctness one: one row alone pays for ``rows`` (a GEMM of
 ``rows`` rows costs about one GEMV when the weights' bandwidth bounds it, as in bf16; in fp32 on a 2-core
@@ -20,6 +21,7 @@ measures both sides on the machine at hand.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 DEFAULT_ROWS = 8
@@ -46,11 +48,8 @@ class InvariantLinear(nn.Linear):
         blocks = -(-m // b)
         if blocks * b != m:
             flat = torch.cat([flat, flat.new_zeros(blocks * b - m, k)])
-        w = self.weight.t().unsqueeze(0).expand(blocks, k, self.out_features)  # [blocks, K, N], no copy
-        out = torch.bmm(flat.view(blocks, b, k), w).view(blocks * b, self.out_features)[:m]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*lead, self.out_features)
+        out = torch.cat([F.linear(flat[i: i + b], self.weight, self.bias) for i in range(0, blocks * b, b)])
+        return out[:m].view(*lead, self.out_features)
 
 
 def use_invariant_linears(model: nn.Module, rows: int = DEFAULT_ROWS) -> int:
