@@ -28,6 +28,20 @@ def test_invariant_linear_rows_do_not_depend_on_the_other_rows(dtype):
     assert torch.allclose(whole.float(), lin(x).float(), atol=0.05 if dtype == torch.bfloat16 else 1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_probed_linears_are_row_invariant_whichever_path_the_probe_chose(dtype):
+    """rows="probe": one GEMM of any M >= 2 where the library is M-invariant for this shape, else fixed blocks."""
+    from calid.models.invariant import use_invariant_linears
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(64, 200), nn.Linear(200, 1000, bias=False)).to(dtype)
+    assert use_invariant_linears(model, "probe") == 2
+    x = torch.randn(300, 64).to(dtype)
+    whole = model(x)
+    assert all(torch.equal(whole[i], model(x[i:i + 1])[0]) for i in (0, 1, 7, 255, 256, 299))
+    assert torch.equal(model(x[:257])[256], whole[256])  # a last part of one row
+
+
 @pytest.fixture(params=DTYPES, ids=["fp32", "bf16"])
 def runners(request, tiny_model):
     """(invariant runner,) over a copy of the tiny model in the given dtype (invariance converts its model)."""
