@@ -168,7 +168,7 @@ async def _stream(router, rs: list, reply: wire.Reply):
             i, out = await queue.get()
             if out is None:
                 open_ -= 1
-            elif out is IDLE:
+            elif out == IDLE:
                 yield wire.SSE_KEEPALIVE
             elif isinstance(out, Failure):
                 yield wire.sse(_failed(router, rs[i], out).body())

@@ -21,7 +21,7 @@ from calid.v1 import calid_pb2 as pb
 from serve_app import protocol
 from serve_app.calls import Failure
 
-IDLE = object()
+IDLE = "idle"  # compared by value: an object() sentinel lost its identity across Ray's pickling of the router
 
 
 @dataclass
@@ -67,9 +67,9 @@ async def outputs(router, r, stream: bool, idle_s: float | None = None):
         return
     ids, pending = list(prompt), head
     async for item in router._events(r, idle_s):
-        if item is IDLE or isinstance(item, Failure):
+        if isinstance(item, str) or isinstance(item, Failure):  # IDLE, or the end
             yield item
-            if item is IDLE:
+            if isinstance(item, str):
                 continue
             return
         pending.text += item.text
