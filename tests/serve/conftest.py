@@ -40,6 +40,23 @@ def serve_port():
 
 HTTP = {}  # the session's HTTP proxy port
 
+SESSION_APPS = {"calid"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _delete_the_modules_apps():
+    """Each module's apps go when the module ends: the session's 8 CPUs are shared by every app deployed,
+    and an app left behind holds its replicas' CPUs until a later module's deploy cannot be placed."""
+    yield
+    import ray
+
+    if not ray.is_initialized():
+        return
+    from ray import serve
+
+    for name in set(serve.status().applications) - SESSION_APPS:
+        serve.delete(name)
+
 
 @pytest.fixture(scope="session")
 def http_port(serve_port):

@@ -31,6 +31,20 @@ def wait_until(predicate, timeout_s: float = 30.0, every_s: float = 0.2):
     return predicate()
 
 
+class _NoWorkers:
+    """Stands for the draft and target handles of a router that only admits and refuses."""
+
+    def options(self, **kw):
+        return self
+
+
+def workerless_router(cfg: AppConfig):
+    """An in-process router whose requests never reach a worker (for tests of admission and translation)."""
+    from serve_app.router import Router
+
+    return Router.func_or_class(cfg.model_dump(), _NoWorkers(), _NoWorkers())
+
+
 def forget_admitted(router) -> None:
     """Drop what an in-process router admitted before its step loop runs (a router with no workers)."""
     router._requests.clear()

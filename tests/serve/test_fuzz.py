@@ -12,7 +12,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from serve_helpers import forget_admitted
+from serve_helpers import forget_admitted, workerless_router
 
 from calid.decoding.modes import MODES
 from calid.v1 import calid_pb2 as pb
@@ -45,16 +45,9 @@ def requests(draw, max_tokens=_u32):
     return msg
 
 
-class _NoWorkers:
-    def options(self, **kw):
-        return self
-
-
 @pytest.fixture(scope="module")
 def router():
-    from serve_app.router import Router
-
-    return Router.func_or_class(AppConfig.small().model_dump(), _NoWorkers(), _NoWorkers())
+    return workerless_router(AppConfig.small())
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

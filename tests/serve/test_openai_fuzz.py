@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from serve_helpers import forget_admitted
+from serve_helpers import forget_admitted, workerless_router
 
 from serve_app import openai_wire as wire
 from serve_app.config import AppConfig
@@ -51,16 +51,9 @@ def bodies(draw):
     return body
 
 
-class _NoWorkers:
-    def options(self, **kw):
-        return self
-
-
 @pytest.fixture(scope="module")
 def router():
-    from serve_app.router import Router
-
-    return Router.func_or_class(AppConfig.small().model_dump(), _NoWorkers(), _NoWorkers())
+    return workerless_router(AppConfig.small())
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
