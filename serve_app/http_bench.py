@@ -31,11 +31,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 async def _grpc_stream(client, prompt: str, new: int, mode: str):
     start, first, text, n = time.perf_counter(), None, "", 0
     async for chunk in client.stream(prompt, max_new_tokens=new, ignore_eos=True, mode=mode):
@@ -67,6 +62,7 @@ def run(args) -> int:
     from calid.backends import cpu_summary, open_model
     from calid.bench.data import humaneval_prompts
     from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
+    from calid.bench.load import percentile
     from calid.bench.report import write_report
     from calid.client import AsyncClient
     from calid.errors import CalidError
@@ -124,7 +120,7 @@ def run(args) -> int:
         rows.append({"frontend": fe, "streams": len(per), "tokens": sum(o[1] for o in per),
                      "tok_s": sum(o[1] for o in per) / wall, "ttft_ms_p50": statistics.median(o[2] for o in per) * 1000,
                      "tpot_ms_p50": statistics.median(o[3] for o in per) * 1000,
-                     "tpot_ms_p99": _pct([o[3] for o in per], 0.99) * 1000, "limit_tok_s": limit})
+                     "tpot_ms_p99": percentile([o[3] for o in per], 99) * 1000, "limit_tok_s": limit})
     grpc_row, http_row = rows[:2]
     added = http_row["tpot_ms_p50"] - grpc_row["tpot_ms_p50"]
     # the same prompt on both front-ends in the same round: per pair, HTTP TPOT - gRPC TPOT

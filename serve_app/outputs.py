@@ -67,10 +67,11 @@ async def outputs(router, r, stream: bool, idle_s: float | None = None):
         return
     ids, pending = list(prompt), head
     async for item in router._events(r, idle_s):
-        if isinstance(item, str) or isinstance(item, Failure):  # IDLE, or the end
+        if item == IDLE:
             yield item
-            if isinstance(item, str):
-                continue
+            continue
+        if isinstance(item, Failure):
+            yield item
             return
         pending.text += item.text
         pending.token_ids += item.token_ids
