@@ -29,11 +29,14 @@ class TargetGroup:
     def __init__(self, target: str, tp: int, dtype: str = "fp32", device: str = "cpu", cpus_per_shard: float = 0.5,
                  gpus_per_shard: float = 0.0, kv_budget_bytes: int | None = None,
                  max_forward_tokens: int | None = None, threads: int | None = None, ready_timeout_s: float = 300,
-                 pp: int = 1, micro_batches: int | None = None):
+                 pp: int = 1, micro_batches: int | None = None, resources: dict[str, float] | None = None):
         self.spec = dict(target=target, dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes,
                          max_forward_tokens=max_forward_tokens, threads=threads, micro_batches=micro_batches)
         self.tp, self.pp = tp, pp
-        self.bundle = {"CPU": cpus_per_shard, **({"GPU": gpus_per_shard} if gpus_per_shard else {})}
+        # each shard's bundle carries the target's custom resources (e.g. target_node), so that shards land on
+        # the node type the config names, as the target replicas do
+        self.bundle = {"CPU": cpus_per_shard, **({"GPU": gpus_per_shard} if gpus_per_shard else {}),
+                       **(resources or {})}
         self.ready_timeout_s = ready_timeout_s
         self.shards: list = []
         self.pgs: list = []
@@ -47,6 +50,7 @@ class TargetGroup:
             ray.get([pg.ready() for pg in self.pgs], timeout=self.ready_timeout_s)
             self.shards = [
                 TargetShard.options(num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
+                                    resources={k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")},
                                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[rank // self.tp],
                                                                                          rank % self.tp)
                                     ).remote(rank, self.tp, self.pp)

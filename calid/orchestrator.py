@@ -52,6 +52,8 @@ class Orchestrator:
         self._lookahead_gain: dict[Hashable, Gain] = {}  # auto requests: what their Lookahead steps yield
         self._tree_acceptance: dict[Hashable, Acceptance] = {}  # auto requests: how their token trees fare
         self._step_decode: dict[Hashable, DecodeParams] = {}  # auto requests: this step's effective mode
+        self.draft_available = True  # False while the draft workers cannot be reached: every step is plain
+        self._plain: set[Hashable] = set()  # requests this step runs without their draft (plain_step)
 
     # ---- admission ------------------------------------------------------------------
 
@@ -94,6 +96,7 @@ class Orchestrator:
         self._lookahead_gain.pop(request_id, None)
         self._tree_acceptance.pop(request_id, None)
         self._step_decode.pop(request_id, None)
+        self._plain.discard(request_id)
 
     # ---- the planner's measurements -------------------------------------------------
 
@@ -122,10 +125,24 @@ class Orchestrator:
     # ---- one step ---------------------------------------------------------------------
 
     def draft_tasks(self, states: list[RequestState]) -> list[DraftTask]:
+        for rid in self._plain:  # last step's fallbacks end with it
+            self._step_decode.pop(rid, None)
+        self._plain.clear()
         self._plan(states)
+        if not self.draft_available:
+            self.plain_step([s.req.request_id for s in states])
         return [DraftTask(s.req.request_id, s.token_ids, self.decode_of(s), s.req.params.warp, s.confidence.nll,
                           self._draft_budget(s), _rng(s)) for s in states
                 if self.decode_of(s).uses_draft and not s.prefilling]  # a draft is wasted while the target prefills
+
+    def plain_step(self, request_ids: list[Hashable]) -> None:
+        """These requests take this step without a draft: the target generates their next token, as in ar
+        (lossless modes keep their output: greedy, it is the token verification would have kept)."""
+        for rid in request_ids:
+            s = self.active.get(rid)
+            if s is not None and self.decode_of(s).uses_draft:
+                self._step_decode[rid] = replace(self.decode_of(s), mode="ar")
+                self._plain.add(rid)
 
     def _plan(self, states: list[RequestState]) -> None:
         """Auto requests: this step's mode from the planner: a draft chain of some length (speculative) or a

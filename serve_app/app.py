@@ -31,7 +31,8 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
         import ray
 
         if ray.is_initialized():
-            check_resources(cfg, ray.cluster_resources())
+            check_resources(cfg, ray.cluster_resources(),
+                            [n["Resources"] for n in ray.nodes() if n["Alive"]])
     config = cfg.model_dump()
     sharded = cfg.sharded  # the shards hold the model (and the GPUs); the replica only drives them
     target = TargetDeployment.options(
@@ -50,7 +51,8 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
             autoscaling_config=autoscaling_config(cfg.draft_scaling),
         ).bind(config)
     routers = cfg.router_scaling
-    return Router.options(ray_actor_options={"num_cpus": cfg.router_num_cpus}, autoscaling_config={
+    return Router.options(ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources},
+                          autoscaling_config={
         "min_replicas": routers.min_replicas, "max_replicas": routers.max_replicas,
         "initial_replicas": routers.min_replicas,
         "target_ongoing_requests": routers.target_ongoing_requests or cfg.max_active,

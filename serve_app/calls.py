@@ -173,27 +173,27 @@ class WorkerCalls:
 
     # ---- calls -----------------------------------------------------------------------
 
-    async def call(self, role: str, tasks: list) -> tuple[list, dict[str, Failure]]:
+    async def call(self, role: str, tasks: list, retries: int | None = None) -> tuple[list, dict[str, Failure]]:
         """One call per replica, concurrently, each bounded by worker_call_timeout_s; returns the results
         and the requests that failed for good.
 
         A lost replica or a timeout is retried with backoff (any replica recomputes from the token ids);
-        after ``worker_call_retries`` the whole step fails with WorkersUnavailable. Every retry first
+        after ``retries`` (default worker_call_retries) the whole step fails with WorkersUnavailable. Every retry first
         cancels the calls still in flight, so an orphan never meets its retry in a worker's batch. An
         error the worker's code raised for these tasks is not retried: ``_isolate`` finds the requests
         it belongs to and fails only those.
         """
         start = time.perf_counter()
         try:
-            return await self._call(role, tasks)
+            return await self._call(role, tasks, self.cfg.worker_call_retries if retries is None else retries)
         finally:
             self.seconds[role] += time.perf_counter() - start
 
-    async def _call(self, role: str, tasks: list) -> tuple[list, dict[str, Failure]]:
+    async def _call(self, role: str, tasks: list, retries: int) -> tuple[list, dict[str, Failure]]:
         handle, method = self._handle(role)
         self._refresh_live(role)
         report = self.report()
-        for attempt in range(self.cfg.worker_call_retries + 1):
+        for attempt in range(retries + 1):
             placed = self._place(role, tasks)
             self.fanout[role] = max(self.fanout[role], len(placed))
             calls = [self._send(role, handle, method, where, [self._delta(role, t, where) for t in group], report)
@@ -220,7 +220,7 @@ class WorkerCalls:
                     if len(tasks) == 1:
                         return [], {tasks[0].request_id: _request_failure(role, e)}
                     return await self._isolate(role, handle, method, tasks, report, e)
-                if attempt == self.cfg.worker_call_retries:
+                if attempt == retries:
                     raise WorkersUnavailable(role, e) from e
                 log.warning("calid router: %s call failed (attempt %d): %r; retrying", role, attempt + 1, e)
                 self._live_at[role] = -1e9  # a replica may be gone: ask again

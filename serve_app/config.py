@@ -96,7 +96,10 @@ class AppConfig(BaseModel):
     worker_threads: int | None = Field(None, ge=1, description="torch threads per worker replica (None: all cores; "
                                        "Ray would otherwise limit a fractional-CPU replica to 1)")
     draft_resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {draft_node: 0.01}")
-    target_resources: dict[str, float] = Field(default_factory=dict)
+    target_resources: dict[str, float] = Field(default_factory=dict, description="custom resources of target "
+                                                "replicas and of every shard of a TP x PP group")
+    router_resources: dict[str, float] = Field(default_factory=dict, description="custom resources of router "
+                                                "replicas, e.g. {head_node: 0.01} to keep them beside the proxy")
     draft_scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     target_scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     router_scaling: RouterScaling = Field(default_factory=RouterScaling)
@@ -241,15 +244,19 @@ def check_models(cfg: AppConfig) -> dict:
     return facts
 
 
-def check_resources(cfg: AppConfig, cluster: dict[str, float]) -> None:
-    """The cluster must hold the minimum replicas of every deployment (``cluster``: ray.cluster_resources())."""
+def check_resources(cfg: AppConfig, cluster: dict[str, float], nodes: list[dict[str, float]] | None = None) -> None:
+    """The cluster must hold the minimum replicas of every deployment (``cluster``: ray.cluster_resources()),
+    and, for a TP x PP target, some node must hold a whole pipeline stage (``nodes``: each live node's
+    resources), since a stage's tensor-parallel ranks are packed on one node."""
     need: dict[str, float] = {"CPU": cfg.router_num_cpus * cfg.router_scaling.min_replicas}
+    for k, v in cfg.router_resources.items():
+        need[k] = v * cfg.router_scaling.min_replicas
     shards = cfg.target_tp * cfg.target_pp if cfg.sharded else 0  # a sharded replica also needs its shard actors
-    roles = [("target", cfg.target_scaling, cfg.target_num_cpus * (1 + shards), cfg.target_num_gpus * max(1, shards),
-              cfg.target_resources)]
+    roles = [(cfg.target_scaling, cfg.target_num_cpus * (1 + shards), cfg.target_num_gpus * max(1, shards),
+              {k: v * (1 + shards) for k, v in cfg.target_resources.items()})]
     if cfg.draft is not None:
-        roles.append(("draft", cfg.draft_scaling, cfg.draft_num_cpus, 0.0, cfg.draft_resources))
-    for _, scaling, cpus, gpus, custom in roles:
+        roles.append((cfg.draft_scaling, cfg.draft_num_cpus, 0.0, cfg.draft_resources))
+    for scaling, cpus, gpus, custom in roles:
         n = max(1, scaling.min_replicas)
         need["CPU"] += n * cpus
         if gpus:
@@ -260,6 +267,14 @@ def check_resources(cfg: AppConfig, cluster: dict[str, float]) -> None:
                if v > cluster.get(k, 0.0) + 1e-9]
     if missing:
         raise ConfigError("the cluster cannot place the minimum replicas (" + "; ".join(missing) + ")")
+    if cfg.sharded and nodes:
+        stage = {"CPU": cfg.target_tp * cfg.target_num_cpus, "GPU": cfg.target_tp * cfg.target_num_gpus,
+                 **{k: cfg.target_tp * v for k, v in cfg.target_resources.items()}}
+        if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in stage.items() if v) for node in nodes):
+            ask = ", ".join(f"{k}: {v:g}" for k, v in stage.items() if v)
+            raise ConfigError(f"no node can hold a pipeline stage of the target_tp={cfg.target_tp} group ({ask} on one "
+                              "node: a stage's tensor-parallel ranks share a node); use nodes with more GPUs, or "
+                              "lower target_tp and raise target_pp")
 
 
 def check_auth(cfg: AppConfig) -> None:

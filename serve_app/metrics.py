@@ -37,6 +37,10 @@ class RouterMetrics:
                                       boundaries=LATENCY_MS, tag_keys=("mode",))
         self.tpot = metrics.Histogram("calid_tpot_ms", "time per output token after the first",
                                       boundaries=LATENCY_MS, tag_keys=("mode",))
+        self.draft_lost = metrics.Counter("calid_draft_lost", "times the router could not reach the draft workers "
+                                          "and went on without them (target-only steps until a draft answers)")
+        self.draft_available = metrics.Gauge("calid_draft_available", "1 while the router drafts, 0 while its "
+                                             "draft workers are unreachable and every step is target-only")
         self.escalation_batch = metrics.Histogram("calid_escalation_batch_size",
                                                   "requests per router step that needed the target",
                                                   boundaries=COUNTS)

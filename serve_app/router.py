@@ -52,6 +52,8 @@ from serve_app.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 COST_EXPORT_STEPS = 32  # the cost model goes to the metrics every this many steps
+DRAFT_RETRIES = 2  # a draft call that fails this many retries (~0.6 s) is given up: the step goes on without it
+DRAFT_PROBE_S = 2.0  # while the draft is unreachable, ask this often (in the background) whether it is back
 RETRY_AFTER_S = 1.0  # what a refusal for a full queue tells the client to wait (HTTP Retry-After)
 
 
@@ -106,6 +108,7 @@ class Router:
         self._step_s = 0.0  # time in steps (the rest of it is spent in worker calls: stats()["call_s"])
         self._max_escalation = 0
         self._calibrated = False
+        self._draft_probe: asyncio.Task | None = None
         try:
             self._keys = load_keys(self.cfg.api_keys_file, self.cfg.api_keys_env)
         except AuthConfigError as e:
@@ -383,7 +386,7 @@ class Router:
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
                   for r in edge for s in [self.orch.active[r.req.request_id]]}
         tasks = self.orch.draft_tasks([s for s in states if s.req.request_id not in before])
-        drafts, failed = await self.calls.call("draft", tasks) if tasks else ([], {})
+        drafts, failed = await self._draft(tasks) if tasks else ([], {})
         states = self._drop_failed(states, failed)
         for _, group, reply, seconds in self.calls.timed["draft"] if drafts else ():  # a draft step per replica
             if reply.results:
@@ -404,6 +407,37 @@ class Router:
         self._count_tokens(states)
         if self._steps % COST_EXPORT_STEPS == 1:
             self._metrics.costs(self.orch.verify_cost, self.orch.draft_cost, self.orch.replica_costs)
+
+    async def _draft(self, tasks: list) -> tuple[list, dict]:
+        """The draft workers' results; when they cannot be reached (their node lost, replicas restarting), the
+        step goes on without them: the target generates each of these requests' next token (orch.plain_step)
+        and later steps stay plain until a background probe hears from a draft replica again."""
+        try:
+            return await self.calls.call("draft", tasks, retries=DRAFT_RETRIES)
+        except WorkersUnavailable as e:
+            if e.code != grpc.StatusCode.UNAVAILABLE:
+                raise
+            log.warning("calid router: draft unreachable (%s); decoding without it until a draft replica answers", e)
+            self._metrics.draft_lost.inc()
+            self._metrics.draft_available.set(0)
+            self.orch.draft_available = False
+            self.orch.plain_step([t.request_id for t in tasks])
+            if self._draft_probe is None or self._draft_probe.done():
+                self._draft_probe = asyncio.get_running_loop().create_task(self._probe_draft(),
+                                                                           context=contextvars.Context())
+            return [], {}
+
+    async def _probe_draft(self) -> None:
+        while not self.orch.draft_available:
+            await asyncio.sleep(DRAFT_PROBE_S)
+            try:
+                await asyncio.wait_for(self.draft.whoami.remote(), self.cfg.worker_call_timeout_s)
+            except Exception as e:  # still gone
+                log.info("calid router: draft still unreachable: %r", e)
+                continue
+            log.warning("calid router: a draft replica answers again; drafting resumes")
+            self._metrics.draft_available.set(1)
+            self.orch.draft_available = True
 
     def _edge_draft(self, r: _Request):
         """The DraftResult of an edge request's round (calid.edge.round_draft)."""

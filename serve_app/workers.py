@@ -242,7 +242,8 @@ class TargetDeployment(_WorkerBase):
 
             dtype = pick_dtype(cfg.dtype, cfg.target_on)
             self.worker = TargetGroup(cfg.target, cfg.target_tp, dtype, cfg.target_on, cfg.target_num_cpus, cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads,
-                                      pp=cfg.target_pp, micro_batches=cfg.target_micro_batches)
+                                      pp=cfg.target_pp, micro_batches=cfg.target_micro_batches,
+                                      resources=cfg.target_resources)
             self.worker.cached()  # build the group now, so the replica is ready when Serve says so
             return
         lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,

@@ -57,3 +57,18 @@ def test_each_role_has_its_device():
     assert (cfg.target_on, cfg.draft_on) == ("cuda", "cpu")
     assert AppConfig(device="cuda", target_num_gpus=1).draft_on == "cpu"
     assert (AppConfig().target_on, AppConfig().draft_on) == ("cpu", "cpu")
+
+
+def test_a_pipeline_stage_must_fit_on_one_node_and_shards_carry_the_targets_resources():
+    cfg = AppConfig(target_tp=3, target_pp=2, target_num_cpus=1.0, target_num_gpus=1, device="cuda", draft=None,
+                    target_resources={"target_node": 0.01}, router_resources={"head_node": 0.01})
+    total = {"CPU": 20.0, "GPU": 8.0, "target_node": 2.0, "head_node": 1.0}
+    check_resources(cfg, total, [{"CPU": 8.0, "GPU": 4.0, "target_node": 1.0}] * 2)  # a stage per node
+    with pytest.raises(ConfigError, match=r"no node can hold a pipeline stage .*GPU: 3"):
+        check_resources(cfg, total, [{"CPU": 8.0, "GPU": 2.0, "target_node": 1.0}] * 4)  # 8 GPUs, 2 per node
+    with pytest.raises(ConfigError, match="target_node"):  # a stage's GPUs on a node of another type
+        check_resources(cfg, total, [{"CPU": 8.0, "GPU": 4.0}] * 2)
+    with pytest.raises(ConfigError, match="head_node: need 0.01, cluster has 0"):
+        check_resources(cfg, {k: v for k, v in total.items() if k != "head_node"})
+    with pytest.raises(ConfigError, match="target_node: need 0.07"):  # the replica and its 6 shards ask for it
+        check_resources(cfg, {**total, "target_node": 0.05})
