@@ -14,11 +14,14 @@ ids, so it retries the call and nothing is lost.
 from __future__ import annotations
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.shard import TargetShard
+
+
+PING_TIMEOUT_S = 10.0  # a shard that does not say its pid within this is taken for lost
 
 
 class GroupFailed(RuntimeError):
@@ -74,10 +77,27 @@ class TargetGroup:
                 done, pending = ray.wait(pending, num_returns=1)
                 ray.get(done[0])
             return ray.get(refs[0])
-        except RayActorError as e:
+        except (RayActorError, RayTaskError) as e:
+            if isinstance(e, RayTaskError) and not self._broken(e):
+                raise  # an error of these tasks (the router isolates its request); the group is fine
             self.shutdown()
-            raise GroupFailed(f"a shard of the {self.tp}x{self.pp} (TP x PP) target group died "
+            raise GroupFailed(f"a shard of the {self.tp}x{self.pp} (TP x PP) target group died or lost its peers "
                               f"({e.__class__.__name__}); the group was torn down and is rebuilt on the next call") from e
+
+    def _broken(self, e: RayTaskError) -> bool:
+        """Whether a shard's error means the group cannot go on: a collective failed (a peer's process or node
+        went away mid-forward: the survivors see a connection reset before Ray reports the death), or some
+        shard does not answer."""
+        cause = getattr(e, "cause", None)
+        text = str(cause).lower()
+        if isinstance(cause, RuntimeError) and ("gloo" in text or "nccl" in text or
+                                                 type(cause).__name__.startswith("Dist")):
+            return True
+        try:
+            ray.get([s.pid.remote() for s in self.shards], timeout=PING_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError):
+            return True
+        return False
 
     def verify(self, tasks: list) -> list:
         return self._all("verify", tasks)

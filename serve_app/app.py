@@ -35,8 +35,9 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
                             [n["Resources"] for n in ray.nodes() if n["Alive"]])
     config = cfg.model_dump()
     sharded = cfg.sharded  # the shards hold the model (and the GPUs); the replica only drives them
+    spread = {"max_replicas_per_node": cfg.max_replicas_per_node} if cfg.max_replicas_per_node else {}
     target = TargetDeployment.options(
-        health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
+        **spread, health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
         request_router_config=request_router_config(),
         ray_actor_options={"num_cpus": cfg.target_num_cpus, "num_gpus": 0.0 if sharded else cfg.target_num_gpus,
                            "resources": cfg.target_resources},
@@ -45,7 +46,7 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     draft = None
     if cfg.draft is not None:
         draft = DraftDeployment.options(
-            health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
+            **spread, health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
             request_router_config=request_router_config(),
             ray_actor_options={"num_cpus": cfg.draft_num_cpus, "resources": cfg.draft_resources},
             autoscaling_config=autoscaling_config(cfg.draft_scaling),

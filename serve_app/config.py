@@ -98,6 +98,9 @@ class AppConfig(BaseModel):
     draft_resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {draft_node: 0.01}")
     target_resources: dict[str, float] = Field(default_factory=dict, description="custom resources of target "
                                                 "replicas and of every shard of a TP x PP group")
+    max_replicas_per_node: int | None = Field(None, ge=1, description="draft and target replicas of this app per "
+                                              "node (None: no limit); 1 spreads them, so one lost node takes one "
+                                              "replica of each")
     router_resources: dict[str, float] = Field(default_factory=dict, description="custom resources of router "
                                                 "replicas, e.g. {head_node: 0.01} to keep them beside the proxy")
     draft_scaling: ScalingConfig = Field(default_factory=ScalingConfig)

@@ -52,7 +52,9 @@ from serve_app.metrics import RouterMetrics
 
 log = logging.getLogger("ray.serve")
 COST_EXPORT_STEPS = 32  # the cost model goes to the metrics every this many steps
-DRAFT_RETRIES = 2  # a draft call that fails this many retries (~0.6 s) is given up: the step goes on without it
+# a draft call that fails for a lost replica is not retried: the step goes on without it at once (a retry
+# would wait in Serve's handle for a replacement replica to start: 6-12 s measured in tests/multinode)
+DRAFT_RETRIES = 0
 DRAFT_PROBE_S = 2.0  # while the draft is unreachable, ask this often (in the background) whether it is back
 RETRY_AFTER_S = 1.0  # what a refusal for a full queue tells the client to wait (HTTP Retry-After)
 
@@ -109,6 +111,8 @@ class Router:
         self._max_escalation = 0
         self._calibrated = False
         self._draft_probe: asyncio.Task | None = None
+        self._draft_lost = 0  # times the draft could not be reached
+        self._metrics.draft_available.set(1 if draft is not None else 0)
         try:
             self._keys = load_keys(self.cfg.api_keys_file, self.cfg.api_keys_env)
         except AuthConfigError as e:
@@ -204,7 +208,8 @@ class Router:
                 "steps": self._steps, "max_escalation_batch": self._max_escalation, "draining": self._draining,
                 "pid": os.getpid(), "target_calls": self.calls.sent["target"], "draft_calls": self.calls.sent["draft"],
                 "target_fanout": self.calls.fanout["target"], "step_s": self._step_s,
-                "call_s": dict(self.calls.seconds)}
+                "call_s": dict(self.calls.seconds), "draft_lost": self._draft_lost,
+                "draft_available": self.orch.draft_available}
 
     async def drain(self) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not
@@ -419,6 +424,7 @@ class Router:
                 raise
             log.warning("calid router: draft unreachable (%s); decoding without it until a draft replica answers", e)
             self._metrics.draft_lost.inc()
+            self._draft_lost += 1
             self._metrics.draft_available.set(0)
             self.orch.draft_available = False
             self.orch.plain_step([t.request_id for t in tasks])

@@ -38,9 +38,9 @@ def cluster():
         c.shutdown()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _delete_the_modules_apps():
-    """A module's apps go when it ends: they hold the nodes' (scaled) CPUs and GPUs."""
+@pytest.fixture(autouse=True)
+def _delete_the_tests_apps():
+    """A test's apps go when it ends: they hold the nodes' GPUs, which the next test's placement counts on."""
     yield
     import ray
 

@@ -33,6 +33,28 @@ def cluster_app(name: str, **overrides) -> AppConfig:
     return AppConfig(**args)
 
 
+def reference(cfg: AppConfig, prompts: list[str], tokens: int, smol=None) -> dict[str, list[int]]:
+    """Each prompt's greedy ar output in process: on the model as the app's target replicas open it, or, for a
+    TP x PP group (whose shards load their layers as load_model does), on ``smol`` (the smol fixture)."""
+    from calid.backends import open_model
+    from calid.decoding.modes import DecodeParams
+    from calid.engine import Engine
+    from calid.generation import GenerationRequest, SamplingParams
+    from calid.runtime.runner import ModelRunner
+    from calid.text import encode_prompt
+
+    if smol is not None:
+        runner, tokenizer, eos_ids = ModelRunner(smol.model), smol.tokenizer, smol.eos_ids
+    else:
+        lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, log=lambda line: None,
+                        invariant=cfg.batch_invariant)
+        runner, tokenizer, eos_ids = lm.runner, lm.tokenizer, lm.eos_ids
+    out = Engine(runner, tokenizer, eos_ids).generate([
+        GenerationRequest(encode_prompt(tokenizer, p), SamplingParams(max_new_tokens=tokens, ignore_eos=True),
+                          decode=DecodeParams(mode="ar")) for p in prompts])
+    return {p: r.output_ids for p, r in zip(prompts, out)}
+
+
 def deploy(cfg: AppConfig) -> AppConfig:
     from ray import serve
 
@@ -65,24 +87,26 @@ def wait_for(predicate, timeout_s: float, every_s: float = 0.5):
 
 class Streams:
     """``n`` greedy streams over gRPC in threads, each recording its tokens, status and the longest gap
-    between two chunks (the latency spike a fault causes)."""
+    between two chunks (the latency spike a fault causes); stream i takes prompt and mode i (cycling)."""
 
-    def __init__(self, port: int, app: str, prompts: list[str], n: int, tokens: int, mode: str, timeout_s=300):
+    def __init__(self, port: int, app: str, prompts: list[str], n: int, tokens: int, mode: str | list[str],
+                 timeout_s=300):
+        modes = [mode] if isinstance(mode, str) else mode
         self.results: list[dict] = [{} for _ in range(n)]
-        self.started = threading.Barrier(n + 1)
+        self._n = n
+        self._started = threading.Semaphore(0)  # released once per stream: at its first token, or when it ends
         self._threads = [threading.Thread(target=self._run, args=(i, port, app, prompts[i % len(prompts)], tokens,
-                                                                    mode, timeout_s), daemon=True)
+                                                                    modes[i % len(modes)], timeout_s), daemon=True)
                          for i in range(n)]
         for t in self._threads:
             t.start()
 
     def _run(self, i, port, app, prompt, tokens, mode, timeout_s):
-        import grpc
-
         from calid.client import Client
+        from calid.client.errors import CalidAPIError
 
         out = self.results[i]
-        out.update(prompt=prompt, tokens=[], code="OK", max_gap_s=0.0)
+        out.update(prompt=prompt, mode=mode, tokens=[], code="OK", max_gap_s=0.0)
         first = True
         try:
             with Client(f"127.0.0.1:{port}", app=app, timeout=timeout_s) as c:
@@ -95,17 +119,20 @@ class Streams:
                     out["tokens"] += list(chunk.token_ids)
                     if first:
                         first = False
-                        self.started.wait(timeout_s)
-        except grpc.RpcError as e:
-            out["code"] = e.code().name
-            out["message"] = e.details()
+                        self._started.release()
+        except CalidAPIError as e:
+            out["code"] = e.code.name
+            out["message"] = e.details
         finally:
             if first:
-                self.started.wait(timeout_s)
+                self._started.release()
 
     def wait_started(self, timeout_s: float = 300) -> None:
-        """Every stream has its first token."""
-        self.started.wait(timeout_s)
+        """Every stream has its first token (or has ended)."""
+        end = time.monotonic() + timeout_s
+        for _ in range(self._n):
+            if not self._started.acquire(timeout=max(0.0, end - time.monotonic())):
+                raise TimeoutError(f"not every stream started within {timeout_s:g} s")
 
     def join(self, timeout_s: float = 600) -> list[dict]:
         for t in self._threads:

@@ -2,17 +2,10 @@
 lands on the node type the YAML names, checked from Ray's state API, and serves over gRPC."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-from mn_helpers import actors, cluster_app, deploy, replicas
+from mn_helpers import actors, cluster_app, deploy, reference, replicas
 
 from calid.client import Client
-from calid.decoding.modes import DecodeParams
-from calid.engine import Engine
-from calid.generation import GenerationRequest, SamplingParams
-from calid.runtime.runner import ModelRunner
-from calid.text import encode_prompt
 from serve_app.config import ConfigError
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.model]
@@ -23,18 +16,6 @@ def _types(cluster, found) -> list[str]:
     return sorted(cluster.type_of(a.node_id) for a in found)
 
 
-def _reference(cfg, prompts, tokens, lm=None) -> list[list[int]]:
-    """Greedy ar in process, on the model as the app's target replicas open it (``lm``: as given)."""
-    from calid.backends import open_model
-
-    lm = lm or open_model(cfg.target, cfg.target_backend, cfg.dtype, log=lambda line: None,
-                          invariant=cfg.batch_invariant)
-    engine = Engine(lm.runner, lm.tokenizer, lm.eos_ids)
-    reqs = [GenerationRequest(encode_prompt(lm.tokenizer, p), SamplingParams(max_new_tokens=tokens, ignore_eos=True),
-                              decode=DecodeParams(mode="ar")) for p in prompts]
-    return [r.output_ids for r in engine.generate(reqs)]
-
-
 def test_each_role_runs_on_the_node_type_the_yaml_names(cluster):
     cfg = deploy(cluster_app("placed", draft_scaling={"min_replicas": 1, "max_replicas": 1},
                              target_scaling={"min_replicas": 2, "max_replicas": 2}))
@@ -43,7 +24,7 @@ def test_each_role_runs_on_the_node_type_the_yaml_names(cluster):
     assert _types(cluster, replicas("placed", "router")) == ["head"]
     assert _types(cluster, actors("ServeController")) == ["head"]
     assert set(_types(cluster, actors("ProxyActor"))) == {"head"}  # proxy_location: HeadOnly
-    want = _reference(cfg, PROMPTS, 16)
+    want = list(reference(cfg, PROMPTS, 16).values())
     with Client(f"127.0.0.1:{cluster.grpc_port}", app=cfg.app_name, timeout=300) as c:
         for mode in ("speculative", "ar"):
             assert [c.generate(p, max_new_tokens=16, ignore_eos=True, mode=mode).token_ids for p in PROMPTS] == want
@@ -59,9 +40,7 @@ def test_a_tensor_parallel_group_spans_two_target_nodes_and_equals_the_unsharded
     assert len({a.node_id for a in shards}) == 2
     with Client(f"127.0.0.1:{cluster.grpc_port}", app=cfg.app_name, timeout=300) as c:
         got = [c.generate(p, max_new_tokens=16, ignore_eos=True, mode="ar").token_ids for p in PROMPTS]
-    # shards load their layers as load_model does (the smol fixture), not through open_model's kernels choice
-    assert got == _reference(cfg, PROMPTS, 16, SimpleNamespace(runner=ModelRunner(smol.model), tokenizer=smol.tokenizer,
-                                                               eos_ids=smol.eos_ids))
+    assert got == list(reference(cfg, PROMPTS, 16, smol).values())
 
 
 def test_a_stage_no_node_can_hold_is_refused_before_any_replica_starts(cluster):
@@ -69,3 +48,50 @@ def test_a_stage_no_node_can_hold_is_refused_before_any_replica_starts(cluster):
 
     with pytest.raises(ConfigError, match="no node can hold a pipeline stage .* GPU: 6"):
         build_app(cluster_app("too_wide", draft=None, target_tp=3, target_num_gpus=2))
+
+
+def test_under_load_the_target_scales_out_onto_the_idle_target_node(cluster):
+    """One target replica per node (max_replicas_per_node: 1), one running: the queue-driven policy asks for
+    a second, which can only go on the other target node, already up and idle (no cluster autoscaler)."""
+    import threading
+    import time
+
+    from mn_helpers import Streams, wait_for
+    from ray import serve
+
+    scaling = {"min_replicas": 1, "max_replicas": 2, "tokens_per_replica": 2.0, "upscale_delay_s": 0.0,
+               "downscale_delay_s": 600.0, "look_back_period_s": 2.0}
+    cfg = deploy(cluster_app("scaleout", draft=None, max_replicas_per_node=1, target_scaling=scaling))
+    (first,) = replicas(cfg.app_name, "target")
+    stop, errors = threading.Event(), []
+
+    def load():
+        with Client(f"127.0.0.1:{cluster.grpc_port}", app=cfg.app_name, timeout=300) as c:
+            while not stop.is_set():
+                try:
+                    c.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        scaled = wait_for(lambda: len(replicas(cfg.app_name, "target")) == 2, timeout_s=120, every_s=1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert scaled and not errors, errors
+    nodes = {a.node_id for a in replicas(cfg.app_name, "target")}
+    assert len(nodes) == 2 and first.node_id in nodes
+    assert _types(cluster, replicas(cfg.app_name, "target")) == ["target_gpu", "target_gpu"]
+    for _ in range(2):  # the router learns the new replica within REPLICAS_REFRESH_S of its first call
+        streams = Streams(cluster.grpc_port, cfg.app_name, PROMPTS, 8, 8, mode="ar").join()
+        assert all(r["code"] == "OK" for r in streams) and len({tuple(r["tokens"]) for r in streams}) == len(PROMPTS)
+        time.sleep(2.5)
+    target = serve.get_deployment_handle("target", cfg.app_name)
+    stats = wait_for(lambda: (lambda got: got if len(got) == 2 else None)(target.broadcast("stats").results(timeout_s=60)),
+                     timeout_s=30)  # a new handle learns the replicas in the background
+    assert stats and all(s["batches"] > 0 for s in stats), stats  # the new replica serves too

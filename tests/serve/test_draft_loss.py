@@ -104,7 +104,7 @@ def test_requests_go_on_without_an_unreachable_draft_and_drafting_resumes_when_i
     got, seen, router, draft = asyncio.run(run(3))
     assert all(ctx.code is None for ctx, _ in got)
     assert [ids for _, ids in got] == [ids for _, ids in want]
-    assert draft.refused >= 1 and seen["available"] is False
+    assert draft.refused >= 1 and seen["available"] is False and asyncio.run(router.stats())["draft_lost"] >= 1
     assert router.orch.draft_available and seen["resumed"]  # the probe found it back, and the router drafted again
 
 
