@@ -13,6 +13,8 @@ ids, so it retries the call and nothing is lost.
 """
 from __future__ import annotations
 
+import time
+
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -24,15 +26,21 @@ from actors.shard import TargetShard
 PING_TIMEOUT_S = 10.0  # a shard that does not say its pid within this is taken for lost
 
 
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
 class GroupFailed(RuntimeError):
-    """A shard of the group died; the group was torn down and will be rebuilt on the next call."""
+    """A shard of the group died (the group was torn down), or the group cannot be placed yet; the next call
+    builds it again."""
 
 
 class TargetGroup:
     def __init__(self, target: str, tp: int, dtype: str = "fp32", device: str = "cpu", cpus_per_shard: float = 0.5,
                  gpus_per_shard: float = 0.0, kv_budget_bytes: int | None = None,
                  max_forward_tokens: int | None = None, threads: int | None = None, ready_timeout_s: float = 300,
-                 pp: int = 1, micro_batches: int | None = None, resources: dict[str, float] | None = None):
+                 pp: int = 1, micro_batches: int | None = None, resources: dict[str, float] | None = None,
+                 build_wait_s: float | None = None):
         self.spec = dict(target=target, dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes,
                          max_forward_tokens=max_forward_tokens, threads=threads, micro_batches=micro_batches)
         self.tp, self.pp = tp, pp
@@ -40,17 +48,38 @@ class TargetGroup:
         # the node type the config names, as the target replicas do
         self.bundle = {"CPU": cpus_per_shard, **({"GPU": gpus_per_shard} if gpus_per_shard else {}),
                        **(resources or {})}
-        self.ready_timeout_s = ready_timeout_s
+        self.ready_timeout_s = ready_timeout_s  # the first build's wait (at start-up)
+        self.build_wait_s = ready_timeout_s if build_wait_s is None else build_wait_s  # a rebuild's, per call
         self.shards: list = []
         self.pgs: list = []
         self.holdings: list[dict] = []  # what each shard holds, by rank (from its setup)
         self.builds = 0
 
-    def _build(self) -> None:
-        self.pgs = [placement_group([dict(self.bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
-                    for _ in range(self.pp)]
+    def start(self) -> None:
+        """Build the group now (a replica's start-up), waiting up to ready_timeout_s for room."""
+        if not self.shards:
+            self._build(self.ready_timeout_s)
+
+    def _build(self, wait_s: float) -> None:
+        """Reserve every stage's placement group and start the shards, within ``wait_s``.
+
+        A reservation that does not fit yet (a node holding a stage was lost and none has rejoined) is kept
+        across calls: GCS places it when room appears, and each call waits for it at most ``wait_s`` before
+        failing with GroupFailed, which the router retries. A call never waits longer than that, so the
+        replica's health check (a forward longer than worker_call_timeout_s) does not take a rebuild for a
+        hung replica. Shards that do not start (their node died before Ray declared it dead) free the
+        reservation, so that the next call reserves afresh on the nodes that are left."""
+        if not self.pgs:
+            self.pgs = [placement_group([dict(self.bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
+                        for _ in range(self.pp)]
+        deadline = time.monotonic() + wait_s
         try:
-            ray.get([pg.ready() for pg in self.pgs], timeout=self.ready_timeout_s)
+            ray.get([pg.ready() for pg in self.pgs], timeout=wait_s)
+        except GetTimeoutError:
+            raise GroupFailed(f"the {self.tp}x{self.pp} (TP x PP) target group waits for room for its stages "
+                              f"({self.pp} placement groups of {self.tp} x {self.bundle}), none within {wait_s:g} s; "
+                              f"the reservation stays and the next call waits again") from None
+        try:
             self.shards = [
                 TargetShard.options(num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
                                     resources={k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")},
@@ -59,17 +88,21 @@ class TargetGroup:
                                     ).remote(rank, self.tp, self.pp)
                 for rank in range(self.tp * self.pp)
             ]
-            host, port = ray.get(self.shards[0].address.remote())
+            host, port = ray.get(self.shards[0].address.remote(), timeout=_left(deadline))
             self.holdings = ray.get([s.setup.remote(host, port, **self.spec) for s in self.shards],
-                                  timeout=self.ready_timeout_s)
-        except BaseException:
+                                    timeout=_left(deadline))
+        except (RayActorError, GetTimeoutError) as e:
             self.shutdown()  # a group that cannot start must not keep half its resources
+            raise GroupFailed(f"the {self.tp}x{self.pp} (TP x PP) target group's shards did not start "
+                              f"({e.__class__.__name__}); the next call builds it again") from e
+        except BaseException:
+            self.shutdown()
             raise
         self.builds += 1
 
     def _all(self, method: str, *args):
         if not self.shards:
-            self._build()
+            self._build(self.build_wait_s)
         refs = [getattr(s, method).remote(*args) for s in self.shards]
         try:
             pending = list(refs)

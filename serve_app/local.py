@@ -10,6 +10,10 @@ LOOPBACK_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "GLOO_SOCKET_IFNAME": "lo",
     "RAY_AUTH_MODE": "disabled",
+    # no implicit ray.init(): a Serve handle's background thread that outlives ray.shutdown() would otherwise
+    # attach this process to whatever cluster is still up (seen in the tests: the next suite then found a
+    # Ray "already running" on a cluster that was being torn down)
+    "RAY_ENABLE_AUTO_CONNECT": "0",
     # autoscaling metrics every 2 s instead of 10 s, so that replicas follow load on a demo timescale
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "2",

@@ -30,6 +30,7 @@ from serve_app.metrics import WorkerMetrics
 logger = logging.getLogger("ray.serve")
 REPORT_TTL_S = 5.0  # a busy router reports with every call; one that stopped calling stops counting
 MAX_BATCH_CALLS = 64
+REBUILD_WAIT_SHARE = 0.25  # a TP/PP group rebuild waits for room this share of worker_call_timeout_s per call
 
 
 def _log(line: str) -> None:
@@ -243,8 +244,9 @@ class TargetDeployment(_WorkerBase):
             dtype = pick_dtype(cfg.dtype, cfg.target_on)
             self.worker = TargetGroup(cfg.target, cfg.target_tp, dtype, cfg.target_on, cfg.target_num_cpus, cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads,
                                       pp=cfg.target_pp, micro_batches=cfg.target_micro_batches,
-                                      resources=cfg.target_resources)
-            self.worker.cached()  # build the group now, so the replica is ready when Serve says so
+                                      resources=cfg.target_resources,
+                                      build_wait_s=cfg.worker_call_timeout_s * REBUILD_WAIT_SHARE)
+            self.worker.start()  # build the group now, so the replica is ready when Serve says so
             return
         lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,
                         show_progress=False, log=_log, graphs="cuda" if cfg.cuda_graphs else "off",

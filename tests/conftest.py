@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from serve_app.local import loopback_env
+
+loopback_env()  # before anything imports ray: Ray reads these at import
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,21 @@ own Ray: they run before tests/serve starts its single-node session (pytest coll
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from mn_helpers import CPU_SCALE, ROOT, WORKERS
 
+HERE = Path(__file__).parent
+_UP: list = []  # the running cluster, at most one
 
-@pytest.fixture(scope="package")
+
+@pytest.fixture(scope="session")
 def cluster():
+    """Started by the first test here, shut down after the last (pytest_runtest_teardown below): a
+    "package" scope does not end with a directory that is not a Python package, and tests/serve, which
+    runs next, must find no Ray running."""
     import ray
 
     if ray.is_initialized():
@@ -27,25 +35,45 @@ def cluster():
     from serve_app.local_cluster import LocalCluster
 
     c = LocalCluster(ROOT / "cluster.yaml", CPU_SCALE).start(WORKERS)
+    _UP.append(c)
     c.grpc_port = free_port()
     doc = yaml.safe_load((ROOT / "serve_app/calid_cluster.yaml").read_text())
     serve.start(proxy_location=doc["proxy_location"], grpc_options=grpc_options(c.grpc_port),
                 http_options={"host": "127.0.0.1", "port": free_port()})
+    return c
+
+
+def _shut_down() -> None:
+    from ray import serve
+
+    c = _UP.pop()
     try:
-        yield c
-    finally:
         serve.shutdown()
+    finally:
         c.shutdown()
 
 
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """The cluster goes when the next test is not one of these (or there is none)."""
+    if _UP and (nextitem is None or Path(nextitem.path).parent != HERE):
+        _shut_down()
+
+
+def pytest_sessionfinish(session):
+    if _UP:  # interrupted mid-directory
+        _shut_down()
+
+
 @pytest.fixture(autouse=True)
-def _delete_the_tests_apps():
-    """A test's apps go when it ends: they hold the nodes' GPUs, which the next test's placement counts on."""
+def _restore(cluster):
+    """A test's apps go when it ends (they hold the nodes' GPUs, which the next test's placement counts on),
+    and nodes a test lost are replaced, so that one failure does not fail the tests after it."""
     yield
-    import ray
+    from ray import serve
 
-    if ray.is_initialized():
-        from ray import serve
-
-        for name in serve.status().applications:
-            serve.delete(name)
+    for name in serve.status().applications:
+        serve.delete(name)
+    for type_name, count in WORKERS.items():
+        while len(cluster.nodes.get(type_name, [])) < count:
+            cluster.add(type_name)

@@ -97,3 +97,30 @@ def test_admission_holds_for_a_burst_that_arrives_between_steps(serve_port):
     admitted, refused, message = asyncio.run(burst())
     assert (admitted, refused) == (10, 140)
     assert "admission queue is full (6 waiting beside 4 decoding)" in message
+
+
+def test_a_target_group_with_no_room_fails_each_call_in_bounded_time_and_keeps_its_reservation(serve_port):
+    """A TP x PP group whose stages cannot be placed (a node type that is not up) fails each call with
+    GroupFailed after build_wait_s, not after a forward's timeout, and keeps its placement groups pending
+    so that room, when it appears, goes to it; shutdown frees them."""
+    import time
+
+    from ray.util.placement_group import placement_group_table
+
+    from actors.group import GroupFailed, TargetGroup
+
+    group = TargetGroup("smollm2-135m-instruct", tp=1, pp=2, resources={"no_such_node_type": 1},
+                        ready_timeout_s=1.0, build_wait_s=0.5)
+    with pytest.raises(GroupFailed, match="waits for room"):
+        group.start()
+    held = [pg.id for pg in group.pgs]
+    assert len(held) == 2
+    t0 = time.monotonic()
+    with pytest.raises(GroupFailed, match="waits for room"):
+        group.cached()
+    assert time.monotonic() - t0 < 5
+    assert [pg.id for pg in group.pgs] == held and group.shards == []
+    assert {placement_group_table(pg)["state"] for pg in group.pgs} == {"PENDING"}
+    group.shutdown()
+    assert group.pgs == []
+    assert {placement_group_table().get(pg.hex(), {}).get("state") for pg in held} <= {"REMOVED", None}
