@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from calid.bench import gpu as bench_gpu
 
     bench_gpu.add_parser(bsub)
+    from calid.bench import placement as bench_placement
+
+    bench_placement.add_parser(bsub)
     _server_cli_module("serve_app.bench").add_parser(bsub)
     _server_cli_module("serve_app.hostile").add_parser(bsub)
     _server_cli_module("serve_app.edge_bench").add_parser(bsub)

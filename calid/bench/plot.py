@@ -61,3 +61,32 @@ def load_curves(rows: list[dict], loads: list[str], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def attainment_views(sweeps: dict[str, list[dict]], path: Path) -> Path:
+    """AlpaServe's three views: SLO attainment of each planner against rate, burstiness (CV) and SLO scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"load": "request rate (share of batch-1 capacity)", "cv": "CV of arrivals",
+              "slo_scale": "SLO scale (x a request alone)"}
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(5.2 * len(sweeps), 4.2), squeeze=False)
+    for ax, (key, rows) in zip(axes[0], sweeps.items()):
+        planners = [k for k in rows[0] if k != key]
+        for name in planners:
+            ax.plot([r[key] for r in rows], [r[name] for r in rows], marker="o", label=name)
+        ax.set_xlabel(labels.get(key, key))
+        ax.set_ylabel("SLO attainment")
+        ax.set_ylim(-0.02, 1.02)
+        if key == "slo_scale":
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.suptitle("Placement: SLO attainment (simulated)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,214 @@
+"""Where each model runs: AlpaServe's placement search, and the two placements it is compared with.
+
+Terms:
+  attainment  the share of requests that meet their model's SLO (end-to-end latency within a scale of the
+              request alone, LatencySlo; or TTFT and TPOT, calid.bench.load.Slo), over all requests of the
+              workload, as the simulator predicts it
+  partition   the device pool cut into groups of one size, each with one parallel config
+  greedy      (AlpaServe, Algorithm 1) start with every group empty; repeatedly add the one model replica
+              (a model onto a group whose devices still have the memory for it) that raises the simulated
+              attainment most; stop when none fits or two rounds in a row raised nothing; keep the best
+  alpaserve   (AlpaServe, Algorithm 2) the best greedy result over every partition into equal groups of
+              1, 2, 4, ... devices and every config of that size the models support
+  replication whole models without model parallelism: groups of one device (tp1xpp1), replicas chosen
+              by the same greedy search (AlpaServe's "selective replication" baseline)
+  dedicated   devices dedicated to each model: what it needs, plus a share of the rest by its load (its
+              requests' seconds alone), run as replicas of the config that serves its own traffic best
+
+Candidates that are the same move (the same model onto groups with the same config and models) are
+simulated once, and only models that miss some SLO get candidates, which keeps the search's cost near
+(models short of their SLO x distinct groups) simulations a round.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from calid.bench.load import Slo
+from calid.placement.profile import Config, ModelProfile
+from calid.placement.simulator import DEFAULT_MAX_BATCH, Group, Placement, simulate
+from calid.placement.workload import Request
+
+
+@dataclass(frozen=True)
+class LatencySlo:
+    """AlpaServe's SLO: a request's end-to-end latency at most ``scale`` times what it takes alone on one
+    device (its prefill plus its output tokens at batch 1, by the model's smallest config)."""
+
+    scale: float
+    profile: ModelProfile
+
+    def met(self, r: Request, o) -> bool:
+        if o.error is not None or o.last_s is None or o.tokens < r.output_tokens:
+            return False
+        ttft, tpot = self.profile.alone_s(r.prompt_tokens, 1)
+        return o.last_s - o.sent_s <= self.scale * (ttft + tpot * (r.output_tokens - 1))
+
+
+def _met(slo, r: Request, o) -> bool:
+    """A TTFT/TPOT Slo judges the outcome alone; a LatencySlo needs the request's lengths too."""
+    return slo.met(o) if isinstance(slo, Slo) else slo.met(r, o)
+
+
+@dataclass(frozen=True)
+class Problem:
+    profiles: dict[str, ModelProfile]
+    devices: int
+    device_memory: float  # bytes per device
+    requests: list[Request]
+    slos: dict[str, Slo | LatencySlo]
+    max_batch: int = DEFAULT_MAX_BATCH
+    overlap: bool = False  # the simulator's what-if of pipelined steps of one model overlapping
+
+    def __post_init__(self):
+        missing = {r.model for r in self.requests} - set(self.profiles)
+        if missing:
+            raise ValueError(f"requests for models with no profile: {', '.join(sorted(missing))}")
+        if self.devices < 1:
+            raise ValueError(f"devices must be >= 1, got {self.devices}")
+
+
+@dataclass
+class Plan:
+    name: str
+    placement: Placement
+    attainment: float
+    per_model: dict[str, float]
+    simulations: int = 0
+    seconds: float = 0.0
+    tried: list[tuple[str, float]] = field(default_factory=list)  # (partition, its attainment)
+
+
+def attainment(problem: Problem, placement: Placement) -> tuple[float, dict[str, float]]:
+    outcomes = simulate(placement, problem.profiles, problem.requests, problem.max_batch, problem.overlap)
+    met: dict[str, list[bool]] = {m: [] for m in problem.profiles}
+    for r, o in zip(problem.requests, outcomes):
+        met[r.model].append(_met(problem.slos[r.model], r, o))
+    per_model = {m: sum(v) / len(v) for m, v in met.items() if v}
+    total = sum(len(v) for v in met.values())
+    return (sum(sum(v) for v in met.values()) / total if total else 1.0), per_model
+
+
+class _Scorer:
+    """Simulates placements, counting how many."""
+
+    def __init__(self, problem: Problem):
+        self.problem, self.count = problem, 0
+
+    def __call__(self, placement: Placement) -> tuple[float, dict[str, float]]:
+        self.count += 1
+        return attainment(self.problem, placement)
+
+
+def greedy(problem: Problem, groups: list[Group], score: Callable,
+           patience: int = 2) -> tuple[Placement, float, dict[str, float]]:
+    """AlpaServe's greedy model selection on fixed ``groups`` (they may already host models): add the best
+    replica each round while one fits; stop after ``patience`` rounds in a row without a better attainment
+    (a replica that does not help at once can, with the next one); return the best placement seen."""
+    placement = Placement(tuple(groups))
+    current, per_model = score(placement)
+    best = (placement, current, per_model)
+    stale = 0
+    while stale < patience:
+        seen: set[tuple[Group, str]] = set()
+        candidates: list[Placement] = []
+        # a model that meets every SLO already gains nothing from another replica
+        short = sorted(m for m in problem.profiles if per_model.get(m, 1.0) < 1.0)
+        for i, g in enumerate(placement.groups):
+            for m in short:
+                if m in g.models or (g, m) in seen:
+                    continue
+                seen.add((g, m))
+                grown = g.with_model(m)
+                if grown.fits(problem.profiles, problem.device_memory):
+                    candidates.append(placement.replaced(i, grown))
+        if not candidates:
+            break
+        (current, per_model), placement = max(((score(c), c) for c in candidates),
+                                              key=lambda s: (s[0][0], -_used(problem, s[1])))
+        if current > best[1]:
+            best, stale = (placement, current, per_model), 0
+        else:
+            stale += 1
+    return best
+
+
+def _used(problem: Problem, placement: Placement) -> float:
+    return sum(problem.profiles[m].memory_per_device(g.config) * g.config.devices
+               for g in placement.groups for m in g.models)
+
+
+def configs_of(problem: Problem, size: int) -> list[Config]:
+    """The configs of ``size`` devices that some model supports."""
+    return sorted({c for p in problem.profiles.values() for c in p.latency if c.devices == size})
+
+
+def alpaserve(problem: Problem) -> Plan:
+    score, start = _Scorer(problem), time.perf_counter()
+    best: Plan | None = None
+    tried = []
+    size = 1
+    while size <= problem.devices:
+        for cfg in configs_of(problem, size):
+            groups = [Group(cfg) for _ in range(problem.devices // size)]
+            placement, att, pm = greedy(problem, groups, score)
+            tried.append((f"{problem.devices // size} x {cfg}", att))
+            if best is None or att > best.attainment:
+                best = Plan("alpaserve", placement, att, pm)
+        size *= 2
+    if best is None:
+        raise ValueError("no parallel config in the profiles fits the device pool")
+    best.simulations, best.seconds, best.tried = score.count, time.perf_counter() - start, tried
+    return best
+
+
+def replication(problem: Problem) -> Plan:
+    score, start = _Scorer(problem), time.perf_counter()
+    placement, att, pm = greedy(problem, [Group(Config(1, 1)) for _ in range(problem.devices)], score)
+    return Plan("replication", placement, att, pm, score.count, time.perf_counter() - start)
+
+
+def _min_devices(problem: Problem, p: ModelProfile) -> int:
+    fitting = [c.devices for c in p.latency if p.memory_per_device(c) <= problem.device_memory]
+    if not fitting:
+        raise ValueError(f"{p.name} fits no config's devices ({problem.device_memory / 2**30:.1f} GiB each)")
+    return min(fitting)
+
+
+def _apportion(total: int, need: dict[str, int], weight: dict[str, float]) -> dict[str, int]:
+    """``total`` devices: each model its ``need``, the rest by ``weight`` (largest remainders)."""
+    spare = total - sum(need.values())
+    whole = sum(weight.values()) or 1.0
+    exact = {m: spare * weight[m] / whole for m in need}
+    out = {m: need[m] + int(exact[m]) for m in need}
+    for m in sorted(need, key=lambda m: (int(exact[m]) - exact[m], m))[:total - sum(out.values())]:
+        out[m] += 1
+    return out
+
+
+def dedicated(problem: Problem) -> Plan:
+    score, start = _Scorer(problem), time.perf_counter()
+    profiles = problem.profiles
+    load = {m: 0.0 for m in profiles}
+    for r in problem.requests:
+        ttft, tpot = profiles[r.model].alone_s(r.prompt_tokens, 1)
+        load[r.model] += ttft + tpot * (r.output_tokens - 1)
+    need = {m: _min_devices(problem, profiles[m]) for m in profiles}
+    if sum(need.values()) > problem.devices:
+        raise ValueError(f"one group per model needs {sum(need.values())} devices, the pool has {problem.devices}")
+    groups = []
+    for m, size in sorted(_apportion(problem.devices, need, load).items()):
+        alone = Problem({m: profiles[m]}, size, problem.device_memory,
+                        [r for r in problem.requests if r.model == m], {m: problem.slos[m]}, problem.max_batch)
+        options = [c for c in profiles[m].latency if c.devices <= size
+                   and profiles[m].memory_per_device(c) <= problem.device_memory]
+        best_cfg = max(options, key=lambda c: (attainment(alone, Placement(
+            tuple(Group(c, (m,)) for _ in range(size // c.devices))))[0], -c.devices))
+        groups += [Group(best_cfg, (m,)) for _ in range(size // best_cfg.devices)]
+    placement = Placement(tuple(groups))
+    att, pm = score(placement)
+    return Plan("dedicated", placement, att, pm, score.count, time.perf_counter() - start)
+
+
+PLANNERS = {"alpaserve": alpaserve, "replication": replication, "dedicated": dedicated}

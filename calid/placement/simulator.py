@@ -1,0 +1,198 @@
+"""A discrete-event simulator of models served on groups of devices, as calid serves them.
+
+Terms:
+  group       devices running one parallel config (calid.placement.profile.Config) and hosting one or more
+              models (each split over all of the group's devices, as AlpaServe multiplexes them)
+  placement   the groups; a model on several groups has that many replicas
+  dispatch    a request goes, on arrival, to the group hosting its model with the fewest requests waiting or
+              running there (calid's router: the replica with the fewest of its requests)
+  step        calid batches each model's running requests into one forward per step (continuous batching):
+              requests waiting join at the next step (up to max_batch running), their prompts' prefill is
+              part of that step, and each running request gets one token when the step leaves the last stage
+  pipeline    a group's pp stages each run one micro-batch at a time. As calid's pipelined forward does, a
+              step of b requests is cut into min(pp, b) micro-batches that follow each other through the
+              stages, each holding a stage stage_s(b / micro-batches) long; the first stage is free again
+              once the last micro-batch has left it, so another model's step can follow while this one
+              drains; one model's steps run one after another (the next token needs the last)
+  turn        when the first stage is free, the model that has waited longest for a step (a request arrived
+              or its last step ended) goes next
+
+It returns one calid.bench.load.Outcome per request (arrival, first and last token), scored against the
+SLO exactly as live runs are.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from calid.bench.load import Outcome
+from calid.placement.profile import Config, ModelProfile
+from calid.placement.workload import Request
+
+DEFAULT_MAX_BATCH = 16
+
+
+@dataclass(frozen=True)
+class Group:
+    config: Config
+    models: tuple[str, ...] = ()
+
+    def with_model(self, name: str) -> "Group":
+        return Group(self.config, tuple(sorted(self.models + (name,))))
+
+    def fits(self, profiles: dict[str, ModelProfile], device_memory: float) -> bool:
+        """Every model supports the config and their shares fit each device's memory."""
+        return (all(profiles[m].supports(self.config) for m in self.models)
+                and sum(profiles[m].memory_per_device(self.config) for m in self.models) <= device_memory)
+
+    def __str__(self) -> str:
+        return f"{self.config}[{', '.join(self.models) or '-'}]"
+
+
+@dataclass(frozen=True)
+class Placement:
+    groups: tuple[Group, ...]
+
+    @property
+    def devices(self) -> int:
+        return sum(g.config.devices for g in self.groups)
+
+    def replaced(self, i: int, group: Group) -> "Placement":
+        return Placement(self.groups[:i] + (group,) + self.groups[i + 1:])
+
+    def hosts(self, model: str) -> list[int]:
+        return [i for i, g in enumerate(self.groups) if model in g.models]
+
+    def __str__(self) -> str:
+        return " ".join(str(g) for g in self.groups)
+
+
+class _Lane:
+    """One model on one group: its waiting requests, and its running ones (idle: between steps)."""
+
+    def __init__(self, name: str, steps: int):
+        self.name = name
+        self.waiting: deque[int] = deque()
+        self.idle: list[int] = []
+        self.running = 0  # admitted and not finished: idle or in a step
+        self.in_flight = 0  # its steps in the pipeline
+        self.steps = steps  # at most this many at once
+        self.ready_since = 0.0
+
+    def has_work(self) -> bool:
+        return self.in_flight < self.steps and bool(self.waiting or self.idle)
+
+
+class _GroupState:
+    def __init__(self, group: Group, overlap: bool):
+        self.config = group.config
+        self.lanes = {m: _Lane(m, group.config.pp if overlap else 1) for m in group.models}
+        self.stage_free = [0.0] * group.config.pp
+        self.load = 0  # requests waiting or running
+        self.wake_at: float | None = None  # a pending wake-up for the first stage
+
+
+def simulate(placement: Placement, profiles: dict[str, ModelProfile], requests: list[Request],
+             max_batch: int = DEFAULT_MAX_BATCH, overlap: bool = False) -> list[Outcome]:
+    """Outcomes in the order of ``requests`` (which must be sorted by arrival); a request whose model no
+    group hosts ends with an error.
+
+    ``overlap``: a what-if, not what calid does: up to pp steps of one model in the pipeline at once, each
+    over its own share of the running requests (vLLM's virtual engines), instead of one step cut into
+    micro-batches."""
+    groups = [_GroupState(g, overlap) for g in placement.groups]
+    hosts: dict[str, list[int]] = {}
+    for i, g in enumerate(placement.groups):
+        for m in g.models:
+            hosts.setdefault(m, []).append(i)
+    outcomes = [Outcome(r.at_s, None, None, 0) for r in requests]
+    done_tokens = [0] * len(requests)
+    events: list[tuple[float, int, int, object]] = []  # (time, order, kind, payload)
+    ARRIVE, STEP_DONE, WAKE = 0, 1, 2
+    order = 0
+
+    def push(t: float, kind: int, payload) -> None:
+        nonlocal order
+        order += 1
+        heapq.heappush(events, (t, order, kind, payload))
+
+    def start_steps(gi: int, now: float) -> None:
+        g = groups[gi]
+        while True:
+            if g.stage_free[0] > now:
+                if g.wake_at is None or g.wake_at > g.stage_free[0]:
+                    g.wake_at = g.stage_free[0]
+                    push(g.stage_free[0], WAKE, gi)
+                return
+            ready = [lane for lane in g.lanes.values() if lane.has_work()]
+            if not ready:
+                return
+            lane = min(ready, key=lambda ln: (ln.ready_since, ln.name))
+            joined = 0
+            while lane.waiting and lane.running < max_batch:
+                rid = lane.waiting.popleft()
+                lane.idle.append(rid)
+                lane.running += 1
+                joined += requests[rid].prompt_tokens
+            if lane.steps == 1:  # one step of every running request, cut into micro-batches
+                batch, lane.idle = lane.idle, []
+                micro = min(g.config.pp, len(batch))
+            else:  # this step takes its share of the running requests
+                take = -(-lane.running // lane.steps)
+                batch, lane.idle = lane.idle[:take], lane.idle[take:]
+                micro, joined = 1, sum(requests[r].prompt_tokens for r in batch if done_tokens[r] == 0)
+            stage = profiles[lane.name].stage_s(g.config, -(-len(batch) // micro), joined / micro)
+            last = now
+            for _ in range(micro):
+                end = now
+                for k in range(g.config.pp):
+                    begin = max(end, g.stage_free[k])
+                    end = begin + stage
+                    g.stage_free[k] = end
+                last = end
+            lane.in_flight += 1
+            push(last, STEP_DONE, (gi, lane.name, batch))
+
+    for rid, r in enumerate(requests):
+        push(r.at_s, ARRIVE, rid)
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == ARRIVE:
+            r = requests[payload]
+            where = hosts.get(r.model)
+            if not where:
+                outcomes[payload].error = f"model {r.model} is not placed"
+                continue
+            gi = min(where, key=lambda i: (groups[i].load, i))
+            g = groups[gi]
+            lane = g.lanes[r.model]
+            if not lane.in_flight and not lane.waiting and not lane.running:
+                lane.ready_since = now
+            lane.waiting.append(payload)
+            g.load += 1
+            if g.wake_at is None or g.wake_at > now:  # after every arrival of this instant: they batch together
+                g.wake_at = now
+                push(now, WAKE, gi)
+        elif kind == STEP_DONE:
+            gi, name, batch = payload
+            g = groups[gi]
+            lane = g.lanes[name]
+            for rid in batch:
+                o = outcomes[rid]
+                done_tokens[rid] += 1
+                o.tokens = done_tokens[rid]
+                o.first_s = now if o.first_s is None else o.first_s
+                o.last_s = now
+                if done_tokens[rid] >= requests[rid].output_tokens:
+                    lane.running -= 1
+                    g.load -= 1
+                else:
+                    lane.idle.append(rid)
+            lane.in_flight -= 1
+            lane.ready_since = now
+            start_steps(gi, now)
+        else:
+            groups[payload].wake_at = None
+            start_steps(payload, now)
+    return outcomes
