@@ -91,12 +91,11 @@ class TargetGroup:
             host, port = ray.get(self.shards[0].address.remote(), timeout=_left(deadline))
             self.holdings = ray.get([s.setup.remote(host, port, **self.spec) for s in self.shards],
                                     timeout=_left(deadline))
-        except (RayActorError, GetTimeoutError) as e:
+        except BaseException as e:
             self.shutdown()  # a group that cannot start must not keep half its resources
-            raise GroupFailed(f"the {self.tp}x{self.pp} (TP x PP) target group's shards did not start "
-                              f"({e.__class__.__name__}); the next call builds it again") from e
-        except BaseException:
-            self.shutdown()
+            if isinstance(e, (RayActorError, GetTimeoutError)):
+                raise GroupFailed(f"the {self.tp}x{self.pp} (TP x PP) target group's shards did not start "
+                                  f"({e.__class__.__name__}); the next call builds it again") from e
             raise
         self.builds += 1
 

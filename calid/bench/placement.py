@@ -174,10 +174,7 @@ def scenario(profiles, meta: dict, args, cv: float | None = None, load: float | 
     mean_out = sum(min(r.output_tokens, args.max_output) for r in lengths) / len(lengths)
     mean_prompt = sum(min(r.prompt_tokens, args.max_prompt) for r in lengths) / len(lengths)
     # the pool's batch-1 capacity: devices / mean seconds of a request alone, the models' traffic equal
-    alone = []
-    for p in models.values():
-        ttft, tpot = p.alone_s(round(mean_prompt), 1)
-        alone.append(ttft + tpot * (mean_out - 1))
+    alone = [p.alone_latency_s(round(mean_prompt), mean_out) for p in models.values()]
     capacity = args.devices / (sum(alone) / len(alone))
     rate = load * capacity / len(models)
     requests = workload({m: rate for m in models}, args.duration, lengths, cv or None, args.seed,

@@ -42,8 +42,7 @@ class LatencySlo:
     def met(self, r: Request, o) -> bool:
         if o.error is not None or o.last_s is None or o.tokens < r.output_tokens:
             return False
-        ttft, tpot = self.profile.alone_s(r.prompt_tokens, 1)
-        return o.last_s - o.sent_s <= self.scale * (ttft + tpot * (r.output_tokens - 1))
+        return o.last_s - o.sent_s <= self.scale * self.profile.alone_latency_s(r.prompt_tokens, r.output_tokens)
 
 
 def _met(slo, r: Request, o) -> bool:
@@ -192,8 +191,7 @@ def dedicated(problem: Problem) -> Plan:
     profiles = problem.profiles
     load = {m: 0.0 for m in profiles}
     for r in problem.requests:
-        ttft, tpot = profiles[r.model].alone_s(r.prompt_tokens, 1)
-        load[r.model] += ttft + tpot * (r.output_tokens - 1)
+        load[r.model] += profiles[r.model].alone_latency_s(r.prompt_tokens, r.output_tokens)
     need = {m: _min_devices(problem, profiles[m]) for m in profiles}
     if sum(need.values()) > problem.devices:
         raise ValueError(f"one group per model needs {sum(need.values())} devices, the pool has {problem.devices}")

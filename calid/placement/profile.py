@@ -93,11 +93,16 @@ class ModelProfile:
         lat = self.latency[cfg]
         return (lat.step(batch) + lat.prefill_s_per_token * prefill_tokens) / cfg.pp
 
-    def alone_s(self, prompt_tokens: int, output_tokens: int) -> tuple[float, float]:
+    def alone_s(self, prompt_tokens: int) -> tuple[float, float]:
         """(TTFT, TPOT) of one request alone on the smallest config: what an SLO scale multiplies."""
         cfg = min(self.latency, key=lambda c: (c.devices, c))
         lat = self.latency[cfg]
         return lat.prefill_s_per_token * prompt_tokens + lat.step(1), lat.step(1)
+
+    def alone_latency_s(self, prompt_tokens: int, output_tokens: int) -> float:
+        """End-to-end seconds of one request alone on the smallest config."""
+        ttft, tpot = self.alone_s(prompt_tokens)
+        return ttft + tpot * (output_tokens - 1)
 
 
 def to_json(profiles: dict[str, ModelProfile], meta: dict | None = None) -> dict:

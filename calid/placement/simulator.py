@@ -54,15 +54,8 @@ class Group:
 class Placement:
     groups: tuple[Group, ...]
 
-    @property
-    def devices(self) -> int:
-        return sum(g.config.devices for g in self.groups)
-
     def replaced(self, i: int, group: Group) -> "Placement":
         return Placement(self.groups[:i] + (group,) + self.groups[i + 1:])
-
-    def hosts(self, model: str) -> list[int]:
-        return [i for i, g in enumerate(self.groups) if model in g.models]
 
     def __str__(self) -> str:
         return " ".join(str(g) for g in self.groups)

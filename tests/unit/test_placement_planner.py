@@ -173,7 +173,7 @@ def _problem(profiles, devices, memory_gb, rates, cv, slo_scale=5.0, duration=12
     reqs = workload(rates, duration, lengths, cv=cv, seed=seed)
     slos = {}
     for m, p in profiles.items():
-        ttft, tpot = p.alone_s(32, 1)
+        ttft, tpot = p.alone_s(32)
         slos[m] = Slo(ttft * slo_scale, tpot * slo_scale)
     return planner.Problem(profiles, devices, memory_gb * GB, reqs, slos)
 
