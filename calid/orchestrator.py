@@ -21,12 +21,17 @@ from dataclasses import replace
 from typing import Callable, Hashable
 
 from calid.decoding.modes import DecodeParams
+from calid.decoding.ngram import NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
 from calid.planning import Acceptance, CostTable, Gain, PlanInput, plan_steps
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
+# what a request's n-gram acceptance starts from: the server's running estimate over every request's n-gram
+# drafts (so a workload that copies little stops trying them), weighing as much as this many of its own drafts
+NGRAM_PRIOR_WEIGHT = 2.0
+NGRAM_PRIOR = (6.0, 1.0)  # (accepted tokens, rejections) before any n-gram draft was verified: alpha 0.78
 
 
 class EngineConfigError(CalidError):
@@ -52,6 +57,12 @@ class Orchestrator:
         self._lookahead_gain: dict[Hashable, Gain] = {}  # auto requests: what their Lookahead steps yield
         self._tree_acceptance: dict[Hashable, Acceptance] = {}  # auto requests: how their token trees fare
         self._step_decode: dict[Hashable, DecodeParams] = {}  # auto requests: this step's effective mode
+        # auto requests: n-gram drafts (calid.decoding.ngram) from each request's own ids, their acceptance per
+        # request and over all requests, and this step's n-gram chains (verified as speculative, no draft call)
+        self._ngrams: dict[Hashable, NgramIndex] = {}
+        self._ngram_acceptance: dict[Hashable, Acceptance] = {}
+        self.ngram_acceptance = Acceptance(*NGRAM_PRIOR)
+        self._ngram_step: dict[Hashable, list[int]] = {}
         self.draft_available = True  # False while the draft workers cannot be reached: every step is plain
         self._plain: set[Hashable] = set()  # requests this step runs without their draft (plain_step)
 
@@ -97,6 +108,9 @@ class Orchestrator:
         self._tree_acceptance.pop(request_id, None)
         self._step_decode.pop(request_id, None)
         self._plain.discard(request_id)
+        self._ngrams.pop(request_id, None)
+        self._ngram_acceptance.pop(request_id, None)
+        self._ngram_step.pop(request_id, None)
 
     # ---- the planner's measurements -------------------------------------------------
 
@@ -128,12 +142,14 @@ class Orchestrator:
         for rid in self._plain:  # last step's fallbacks end with it
             self._step_decode.pop(rid, None)
         self._plain.clear()
+        self._ngram_step.clear()
         self._plan(states)
         if not self.draft_available:
-            self.plain_step([s.req.request_id for s in states])
+            self.plain_step([s.req.request_id for s in states if s.req.request_id not in self._ngram_step])
         return [DraftTask(s.req.request_id, s.token_ids, self.decode_of(s), s.req.params.warp, s.confidence.nll,
                           self._draft_budget(s), _rng(s)) for s in states
-                if self.decode_of(s).uses_draft and not s.prefilling]  # a draft is wasted while the target prefills
+                if self.decode_of(s).uses_draft and not s.prefilling  # a draft is wasted while the target prefills
+                and s.req.request_id not in self._ngram_step]  # an n-gram chain needs no draft model
 
     def plain_step(self, request_ids: list[Hashable]) -> None:
         """These requests take this step without a draft: the target generates their next token, as in ar
@@ -162,18 +178,32 @@ class Orchestrator:
             plan = plan_steps([self._plan_input(s) for s in auto], self.verify_cost_of(replica), draft_cost,
                               fixed_tokens=len(group) - len(auto))
             for s, c in zip(auto, plan):
-                self._step_decode[s.req.request_id] = replace(s.req.decode, mode=c.mode,
-                                                              gamma=c.gamma or s.req.decode.gamma)
+                rid = s.req.request_id
+                if c.mode == "ngram":  # verified as a greedy draft chain (one-hot draft rows when sampled)
+                    self._ngram_step[rid] = self._ngrams[rid].propose(c.gamma)
+                self._step_decode[rid] = replace(s.req.decode, mode="speculative" if c.mode == "ngram" else c.mode,
+                                                 gamma=c.gamma or s.req.decode.gamma)
 
     def _plan_input(self, s: RequestState) -> PlanInput:
         rid, decode = s.req.request_id, s.req.decode
         # an untried tree starts a little above a chain's prior (it also tries the draft's next-best tokens
         # where it is unsure), so it gets tried where verifying its extra tokens is nearly free
         tree = self._tree_acceptance.setdefault(rid, Acceptance(accepted=1.0)) if self.has_draft else None
-        return PlanInput(self._acceptance.setdefault(rid, Acceptance()).alpha,
-                         0 if s.prefilling else self._draft_budget(s, decode.gamma),
+        cap = 0 if s.prefilling else self._draft_budget(s, decode.gamma)
+        ngram = self._ngrams.setdefault(rid, NgramIndex())
+        ngram.extend(s.token_ids)
+        return PlanInput(self._acceptance.setdefault(rid, Acceptance()).alpha, cap,
                          self._lookahead_gain.setdefault(rid, Gain()).mean,
-                         tree.alpha if tree else None, decode.tree_width, decode.tree_chains)
+                         tree.alpha if tree else None, decode.tree_width, decode.tree_chains,
+                         ngram=len(ngram.propose(cap)), ngram_alpha=self._ngram_alpha(rid))
+
+    def _ngram_alpha(self, rid: Hashable) -> float:
+        """A request's n-gram acceptance: its own drafts' record, started from the server-wide estimate."""
+        if rid not in self._ngram_acceptance:
+            g = self.ngram_acceptance
+            w = NGRAM_PRIOR_WEIGHT / max(1.0, g.accepted + g.rejected)
+            self._ngram_acceptance[rid] = Acceptance(g.accepted * w, g.rejected * w)
+        return self._ngram_acceptance[rid].alpha
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
@@ -187,8 +217,10 @@ class Orchestrator:
             if d is not None and not d.needs_target:  # filter, every draft token confident: early acceptance
                 events += self._append(s, d.tokens, len(d.tokens), now)
                 continue
+            ngram = self._ngram_step.get(s.req.request_id)
             tasks.append(VerifyTask(s.req.request_id, s.token_ids, len(s.req.prompt_ids), self.decode_of(s),
-                                    s.req.params.warp, self._draft_budget(s), d.tokens if d else [],
+                                    s.req.params.warp, self._draft_budget(s),
+                                    ngram if ngram is not None else d.tokens if d else [],
                                     d.q if d else None, d.tree if d else None, _rng(s)))
         return events, tasks
 
@@ -207,7 +239,10 @@ class Orchestrator:
             s.stats.record_verification(v.proposed, v.accepted, v.verifying)
             rid = s.req.request_id
             step_mode = self.decode_of(s).mode if s.req.decode.mode == "auto" else None
-            if step_mode == "lookahead":
+            if rid in self._ngram_step:
+                self._ngram_acceptance[rid].observe(v.accepted, v.proposed)
+                self.ngram_acceptance.observe(v.accepted, v.proposed)
+            elif step_mode == "lookahead":
                 self._lookahead_gain[rid].observe(v.accepted)
             elif step_mode == "tree" and rid in self._tree_acceptance:
                 self._tree_acceptance[rid].observe(v.accepted, v.proposed)

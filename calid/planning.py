@@ -15,18 +15,21 @@ Terms:
                  target yields (1 - alpha^(g+1)) / (1 - alpha) tokens on average);
   lookahead gain a request's running estimate of the draft tokens a Lookahead step
                  (drafts from the target's n-gram trie, no draft model) gets accepted;
+  n-gram draft   a chain copied from the request's own earlier tokens (calid.decoding.ngram): no draft
+                 time, only its verification; its acceptance is a running estimate like a chain's;
   tree acceptance a request's running estimate of the chance that a depth of its token tree
                  holds the target's token (the draft's top-1 plus, where the draft is unsure,
                  its next-best tokens as siblings); a tree verifies more tokens than a chain
   plan           per request a Choice: a plain target step (ar), a draft chain of g tokens
-                 (speculative), a token tree g deep (tree) or a Lookahead step, maximising
+                 (speculative), an n-gram chain of g tokens (ngram), a token tree g deep (tree) or a
+                 Lookahead step, maximising
                  the expected tokens per second of the whole step:
                    sum_i E_i / (draft time + target time)
-                 E_i = (1 - a^(g+1)) / (1 - a) for a chain (a = alpha) or a tree (a = its
-                 acceptance), 1 + gain for Lookahead, 1 for ar;
+                 E_i = (1 - a^(g+1)) / (1 - a) for a chain (a = alpha, or the n-gram acceptance) or
+                 a tree (a = its acceptance), 1 + gain for Lookahead, 1 for ar;
                  draft time = sum over depths d of draft_step(draft lanes at depth d: one per
                  chain, tree_chains per tree, over the requests drafting d or more deep),
-                 target time = verify(sum_i tokens verified: 1 + g for a chain,
+                 target time = verify(sum_i tokens verified: 1 + g for a chain (model or n-gram),
                  1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead).
 """
 from __future__ import annotations
@@ -117,8 +120,8 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 @dataclass(frozen=True)
 class Choice:
-    """What one request does this step: ``mode`` ar | speculative | tree | lookahead; ``gamma`` the draft depth
-    (speculative, tree) or Lookahead's trie nodes."""
+    """What one request does this step: ``mode`` ar | ngram | speculative | tree | lookahead; ``gamma`` the draft
+    depth (ngram, speculative, tree) or Lookahead's trie nodes."""
 
     mode: str = "ar"
     gamma: int = 0
@@ -135,10 +138,12 @@ class PlanInput:
     tree_alpha: float | None = None  # acceptance estimate of a token tree's depth; None: not an option
     tree_width: int = 3  # tokens a tree tries where the draft is unsure (its siblings: width - 1)
     tree_chains: int = 1  # draft chains a tree grows (draft lanes per depth)
+    ngram: int = 0  # tokens an n-gram draft proposes now (0: no match, not an option)
+    ngram_alpha: float = 0.5  # acceptance estimate of an n-gram chain
 
     def options(self, drafts: bool) -> list[Choice]:
         """Every choice open to this request (``drafts``: a draft model's cost is known)."""
-        out = [AR]
+        out = [AR] + [Choice("ngram", g) for g in range(1, min(self.cap, self.ngram) + 1)]
         if drafts:
             out += [Choice("speculative", g) for g in range(1, self.cap + 1)]
             if self.tree_alpha is not None:
@@ -151,6 +156,8 @@ class PlanInput:
         """Tokens this choice yields on average."""
         if c.mode == "speculative":
             return expected_tokens(self.alpha, c.gamma)
+        if c.mode == "ngram":
+            return expected_tokens(self.ngram_alpha, c.gamma)
         if c.mode == "tree":
             return expected_tokens(self.tree_alpha, c.gamma)
         return 1.0 + self.lookahead_gain if c.mode == "lookahead" else 1.0
@@ -259,8 +266,9 @@ def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, 
 
 
 def _order(c: Choice) -> tuple[int, int]:
-    """Ties go to the simplest choice: ar, then chains, trees and Lookahead, shallow before deep."""
-    return ("ar", "speculative", "tree", "lookahead").index(c.mode), c.gamma
+    """Ties go to the simplest choice: ar, then n-gram and draft chains, trees and Lookahead, shallow before
+    deep."""
+    return ("ar", "ngram", "speculative", "tree", "lookahead").index(c.mode), c.gamma
 
 
 def _nearest(c: Choice, options: list[Choice]) -> Choice:

@@ -122,3 +122,16 @@ def test_statistical_test_catches_a_wrong_rule():
         return v
 
     assert chi2(first_token_counts(wrong_rule), P) > CHI2_P001_DF3
+
+
+def test_a_fixed_proposal_verified_as_a_one_hot_draft_follows_the_target():
+    """An n-gram draft is not sampled: it proposes one token whatever the seed. Verified with a one-hot draft
+    row (accept with probability p(x), else resample from p without x), the emitted token still follows P."""
+    g = make_generator(1)
+    p_rows = torch.stack([P, torch.full((V,), 1 / V)])
+    for proposal in (3, 0):  # the target's likeliest token, and its least likely
+        counts = torch.zeros(V)
+        for _ in range(N):
+            v = speculative_rule(RuleInput(torch.tensor([proposal]), onehot(proposal), p_rows, g))
+            counts[proposal if v.accepted >= 1 else v.next_token] += 1
+        assert chi2(counts, P) < CHI2_P001_DF3, proposal

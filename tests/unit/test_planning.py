@@ -122,3 +122,25 @@ def test_a_batch_drafts_together_where_no_single_request_would_alone():
     assert all(c.mode == "speculative" for c in plan)
     assert step_rate(plan, reqs, verify, CHEAP_DRAFT) > 1.1 * step_rate([AR] * 16, reqs, verify, CHEAP_DRAFT)
 
+
+
+# ---- n-gram drafts (copies of the request's own tokens): verification only, no draft time ---------------
+
+def test_an_ngram_chain_is_taken_where_it_pays_and_only_as_long_as_the_match():
+    grounded = PlanInput(alpha=0.5, cap=8, ngram=5, ngram_alpha=0.95)
+    assert plan_steps([grounded], GPU_LIKE, CHEAP_DRAFT) == [Choice("ngram", 5)]
+    assert plan_steps([grounded], GPU_LIKE, CostTable()) == [Choice("ngram", 5)]  # no draft model needed
+
+
+def test_no_match_or_a_poor_record_means_no_ngram_chain():
+    assert all(c.mode != "ngram" for c in PlanInput(alpha=0.5, cap=8, ngram=0).options(True))
+    assert plan_steps([PlanInput(alpha=0.1, cap=8, ngram=6, ngram_alpha=0.1)], CPU_LIKE, CostTable()) == [AR]
+
+
+def test_on_a_compute_bound_cpu_an_ngram_chain_needs_a_high_acceptance():
+    """Verifying 5 tokens costs ~3 steps on CPU_LIKE: a chain copied from the input pays only when it is
+    nearly always right; a draft model's chain of the same acceptance never pays (its draft time too)."""
+    draft = table({1: 0.017, 8: 0.08})
+    assert plan_steps([PlanInput(alpha=0.97, cap=8, ngram=8, ngram_alpha=0.97)], CPU_LIKE, draft)[0].mode == "ngram"
+    assert plan_steps([PlanInput(alpha=0.97, cap=8)], CPU_LIKE, draft) == [AR]
+    assert plan_steps([PlanInput(alpha=0.5, cap=8, ngram=8, ngram_alpha=0.5)], CPU_LIKE, draft) == [AR]

@@ -1,0 +1,66 @@
+"""auto with n-gram drafts on a real model (SmolLM2-135M's GGUF on llama.cpp): copies of a request's own
+tokens are verified like a draft chain, so greedy output stays ar's token for token, and on work that copies
+its input most tokens come from them."""
+from __future__ import annotations
+
+import pytest
+
+from calid.backends import open_model
+from calid.bench.data import grounded_prompts
+from calid.decoding.modes import DecodeParams
+from calid.engine import Engine
+from calid.generation import GenerationRequest, SamplingParams
+from calid.models.presets import TEST_MODEL
+from calid.planning import CostTable
+from calid.text import encode_prompt
+
+pytestmark = pytest.mark.model
+N = 40
+
+
+def one_thread():
+    """One thread: these prompts run past position 256, where llama.cpp's flash attention with 2 threads rounds
+    a row by what shares its call and by its slot (the known limit in README, "Lossless and deterministic")."""
+    return open_model(TEST_MODEL, backend="llamacpp", threads=1, log=lambda line: None, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def ll():
+    return one_thread()
+
+
+def cheap_verify() -> CostTable:
+    """Verification nearly free (a GPU's shape), so the planner drafts whenever a copy is likely right."""
+    t = CostTable()
+    for size, secs in {1: 0.020, 9: 0.022, 64: 0.040}.items():
+        t.observe(size, secs)
+    return t
+
+
+def run(engine, ids, mode, **params):
+    reqs = [GenerationRequest(list(i), SamplingParams(max_new_tokens=N, **params), decode=DecodeParams(mode=mode))
+            for i in ids]
+    return engine.generate(reqs)
+
+
+def test_auto_copies_grounded_answers_and_keeps_ar_output(ll):
+    ids = [encode_prompt(ll.tokenizer, p) for p in grounded_prompts(4)]
+    ar = [r.output_ids for r in run(Engine(ll.runner, ll.tokenizer, ll.eos_ids, max_batch=4), ids, "ar")]
+    engine = Engine(ll.runner, ll.tokenizer, ll.eos_ids, max_batch=4)  # no draft model: ar, Lookahead or n-gram
+    engine.set_costs(cheap_verify(), CostTable())
+    res = run(engine, ids, "auto")
+    assert [r.output_ids for r in res] == ar
+    copied = sum(r.stats.draft_tokens for r in res)
+    assert copied > 0.3 * sum(len(r.output_ids) for r in res), copied  # the refactors copy their input
+    assert ll.runner.cached_count() == 0
+
+
+def test_sampled_auto_requests_take_ngram_drafts_too(ll):
+    """Sampled requests verify n-gram chains as one-hot drafts (the rule's statistical test is in
+    tests/unit/test_acceptance.py). Their text for a seed depends on the plan, which follows live timings."""
+    ids = [encode_prompt(ll.tokenizer, p) for p in grounded_prompts(2)]
+    engine = Engine(ll.runner, ll.tokenizer, ll.eos_ids, max_batch=2)
+    engine.set_costs(cheap_verify(), CostTable())
+    res = run(engine, ids, "auto", temperature=0.3, seed=3)
+    assert all(len(r.output_ids) == N or r.finish_reason == "stop" for r in res)
+    assert sum(r.stats.draft_tokens for r in res) > 0 and ll.runner.cached_count() == 0

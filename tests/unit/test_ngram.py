@@ -1,0 +1,52 @@
+"""N-gram (prompt lookup) drafts: exact proposals on hand-built sequences."""
+import pytest
+
+from calid.decoding.ngram import NgramConfig, NgramIndex
+
+
+def index(ids, **cfg) -> NgramIndex:
+    ix = NgramIndex(NgramConfig(**cfg))
+    ix.extend(ids)
+    return ix
+
+
+def test_the_continuation_of_the_longest_earlier_match_is_proposed():
+    #        0  1  2  3  4  5  6  7  8  9
+    ids = [5, 6, 7, 8, 9, 1, 2, 6, 7, 8]
+    # suffix (6, 7, 8) occurred at 1..3; what followed: 9, 1, 2, ...
+    assert index(ids).propose(3) == [9, 1, 2]
+    assert index(ids).propose(10) == [9, 1, 2, 6, 7, 8]  # never past the sequence's end
+
+
+def test_the_most_recent_occurrence_wins_and_a_suffix_never_matches_itself():
+    ids = [1, 2, 3, 1, 2, 4, 1, 2]
+    assert index(ids).propose(1) == [4]  # (1, 2) last seen before the suffix at 3..4, followed by 4
+    assert index([1, 2, 3, 4]).propose(4) == []  # nothing repeats
+
+
+def test_shorter_suffixes_are_tried_down_to_min_n():
+    ids = [9, 3, 4, 5, 8, 4, 5]  # (8, 4, 5) never seen, (4, 5) seen at 2..3 -> 8
+    assert index(ids).propose(2) == [8, 4]
+    assert index(ids, min_n=3).propose(2) == []
+    assert index([7, 1, 7], min_n=1, max_n=2).propose(1) == [1]
+
+
+def test_appending_token_by_token_equals_indexing_at_once():
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5, 1, 4, 1, 5]
+    grown = NgramIndex()
+    for end in range(1, len(ids) + 1):
+        grown.extend(ids[:end])
+        assert grown.propose(5) == index(ids[:end]).propose(5), end
+
+
+def test_a_different_sequence_rebuilds_the_index():
+    ix = index([1, 2, 3, 1, 2])
+    assert ix.propose(1) == [3]
+    ix.extend([4, 5, 6, 4])
+    assert ix.ids == [4, 5, 6, 4] and ix.propose(2) == []
+    assert index([1, 2]).propose(0) == []
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="min_n"):
+        NgramConfig(min_n=3, max_n=2)
