@@ -139,10 +139,12 @@ class OpenModel:
 
 def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
-               log=None, graphs: str = "off", invariant: bool = False) -> OpenModel:
+               log=None, graphs: str = "off", invariant: bool | None = None) -> OpenModel:
     """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why. ``graphs``: a
-    torch model's decode graphs (ModelRunner's ``graphs``); ``invariant``: a torch model's batch-invariant
-    forwards (ModelRunner's ``invariant``; llama.cpp's exact mode is batch-invariant already)."""
+    torch model's decode graphs (ModelRunner's ``graphs``); ``invariant``: batch-invariant forwards (a row's
+    logits depend only on its own sequence): a torch ModelRunner's ``invariant``, a llama.cpp runner's exact
+    mode (forwards cut into calls of at most 3 rows); None: each backend's default (llama.cpp exact, torch
+    not)."""
     chosen, why = pick_backend(backend, spec, device)
     say = log or (lambda line: print(line, file=sys.stderr))
     if chosen == "llamacpp":
@@ -152,7 +154,7 @@ def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: st
 
         gguf = gguf_file(spec, show_progress)
         folder = gguf_companion(spec, gguf)
-        runner = LlamaCppRunner(gguf, kv_budget_bytes, threads)
+        runner = LlamaCppRunner(gguf, kv_budget_bytes, threads, exact=invariant is not False)
         tokenizer = load_tokenizer(folder)
         say(f"[calid] {spec}: llama.cpp ({why}), {runner.describe()}")
         return OpenModel(spec, "llamacpp", "gguf", runner, tokenizer, eos_token_ids(folder, tokenizer), folder,
@@ -164,13 +166,13 @@ def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: st
     lm = load_model(spec, dt, device, show_progress)
     if backend == "auto":
         say(f"[calid] {spec}: torch {dt} on {device} ({why})")
-    runner = ModelRunner(lm.model, kv_budget_bytes, graphs=graphs, invariant=invariant)
+    runner = ModelRunner(lm.model, kv_budget_bytes, graphs=graphs, invariant=bool(invariant))
     return OpenModel(lm.name, "torch", dt, runner, lm.tokenizer, lm.eos_ids, lm.path, lm.decode_read_bytes, lm)
 
 
 def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
-               log=None, invariant: bool = False) -> OpenModel:
+               log=None, invariant: bool | None = None) -> OpenModel:
     """A draft for ``target`` (an OpenModel, or the target's spec where it runs elsewhere): a model spec,
     or ``self:N``, the target's first N layers, always on torch (llama.cpp cannot run a subset of a
     model's layers)."""
@@ -196,7 +198,7 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
         say(f"[calid] {spec} of {target_name}: torch {dt} (llama.cpp cannot run a subset of a model's layers)")
         loaded = load_model(target_name, dt, device, show_progress)
     model = self_draft(loaded.model, layers)
-    return OpenModel(f"self:{layers} of {target_name}", "torch", dt, ModelRunner(model, kv_budget_bytes, invariant=invariant),
+    return OpenModel(f"self:{layers} of {target_name}", "torch", dt, ModelRunner(model, kv_budget_bytes, invariant=bool(invariant)),
                      loaded.tokenizer, loaded.eos_ids, loaded.path,
                      loaded.decode_read_bytes * layers // max(1, loaded.config.num_layers), loaded)
 

@@ -41,6 +41,15 @@ def verify_costs(runner, sizes=VERIFY_SIZES, repeats: int = 2) -> CostTable:
     return table
 
 
+def prefill_cost(runner, tokens: int = CONTEXT) -> float:
+    """Seconds per token of prefilling one sequence in a chunk of ``tokens`` (a draft's catch-up)."""
+    seq, v = ("__calibrate__", "prefill"), runner.vocab_size
+    try:
+        return _timed(runner, [SeqInput(seq, [(7 * i + 5) % v for i in range(tokens)])]) / tokens
+    finally:
+        runner.release(seq)
+
+
 def draft_costs(runner, batches=DRAFT_BATCHES) -> CostTable:
     """Seconds of one draft step (one new token for each of ``b`` sequences)."""
     table = CostTable()
@@ -57,3 +66,31 @@ def draft_costs(runner, batches=DRAFT_BATCHES) -> CostTable:
         for s in seqs:
             runner.release(s)
     return table
+
+
+def filter_cap(target, draft, batch: int, chunk: int = 8, repeats: int = 3) -> dict[str, float]:
+    """The most CALID filter can gain over ar at ``batch`` sequences on these runners, measured.
+
+    Even when every token comes from the draft, each one still passes through the target once, when it catches
+    up (``chunk`` tokens per sequence per forward, logits at the last only), and through the draft once. So per
+    output token filter costs at least draft step / batch + catch-up / (chunk x batch), where ar costs target
+    step / batch. Returns those three per-token costs (seconds) and ``cap`` = ar / (draft + catch-up)."""
+    seqs = [("__filter_cap__", i) for i in range(batch)]
+    v = target.vocab_size
+    prefix = [(13 * i + 5) % v for i in range(CONTEXT)]
+
+    def best(runner, tokens: int) -> float:
+        runner.forward([SeqInput(s, prefix) for s in seqs])
+        out = float("inf")
+        for _ in range(repeats):
+            for s in seqs:
+                runner.truncate(s, CONTEXT)
+            out = min(out, _timed(runner, [SeqInput(s, [(3 * j + 1) % v for j in range(tokens)]) for s in seqs]))
+        for s in seqs:
+            runner.release(s)
+        return out
+
+    ar = best(target, 1) / batch
+    catch_up = best(target, chunk) / (chunk * batch)
+    drafted = best(draft, 1) / batch
+    return {"ar_s": ar, "catch_up_s": catch_up, "draft_s": drafted, "cap": ar / (catch_up + drafted)}

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_cli_module("serve_app.edge_bench").add_parser(bsub)
     _server_cli_module("serve_app.load_bench").add_parser(bsub)
     _server_cli_module("serve_app.http_bench").add_parser(bsub)
+    _server_cli_module("serve_app.modes_bench").add_parser(bsub)
     return parser
 
 
@@ -148,7 +149,7 @@ def decode_params(args):
 
 def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                  max_batch: int = 8, extra_specs: list[str] | tuple = (), draft_backend: str | None = None,
-                 invariant: bool = False):
+                 invariant: bool | None = None):
     """Engine over an opened target (calid.backends.OpenModel), an optional draft and extra tree drafters
     (model specs, or self:N). ``draft_backend`` defaults to ``backend``."""
     from calid.backends import open_draft
@@ -174,9 +175,9 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="torch dtype; auto (default): bf16 on CUDA and on CPUs with native bf16, else fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="torch: batch-invariant forwards (greedy speculative/tree/lookahead equal ar in bf16 too; "
-                        "slower: calid bench invariance)")
+    p.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="batch-invariant forwards (greedy speculative/tree/lookahead equal ar token for token, in bf16 "
+                        "too; slower: calid bench invariance). llama.cpp runs exact here by default")
 
 
 def cmd_models_list(args) -> int:

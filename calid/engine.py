@@ -139,13 +139,14 @@ class Engine:
 
     def calibrate(self) -> None:
         """Measure target and draft forward costs once, for the auto mode's planner."""
-        from calid.calibration import draft_costs, verify_costs
+        from calid.calibration import draft_costs, prefill_cost, verify_costs
 
         orch = self.orchestrator
         self._calibrated = True
         orch.verify_cost = verify_costs(self.target)
         if self.draft is not None:
             orch.draft_cost = draft_costs(self.draft)
+            orch.draft_prefill_s = prefill_cost(self.draft)
 
     def _release(self, done: list[RequestState]) -> None:
         if not done:

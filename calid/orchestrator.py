@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Callable, Hashable
 
@@ -63,6 +64,11 @@ class Orchestrator:
         self._ngram_acceptance: dict[Hashable, Acceptance] = {}
         self.ngram_acceptance = Acceptance(*NGRAM_PRIOR)
         self._ngram_step: dict[Hashable, list[int]] = {}
+        self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
+        # the draft model's catch-up: seconds per token it prefills (measured by the caller), and how many of each
+        # request's ids its last draft task carried (what its cache holds, unless evicted)
+        self.draft_prefill_s = 0.0
+        self._draft_seen: dict[Hashable, int] = {}
         self.draft_available = True  # False while the draft workers cannot be reached: every step is plain
         self._plain: set[Hashable] = set()  # requests this step runs without their draft (plain_step)
 
@@ -111,6 +117,7 @@ class Orchestrator:
         self._ngrams.pop(request_id, None)
         self._ngram_acceptance.pop(request_id, None)
         self._ngram_step.pop(request_id, None)
+        self._draft_seen.pop(request_id, None)
 
     # ---- the planner's measurements -------------------------------------------------
 
@@ -146,10 +153,13 @@ class Orchestrator:
         self._plan(states)
         if not self.draft_available:
             self.plain_step([s.req.request_id for s in states if s.req.request_id not in self._ngram_step])
-        return [DraftTask(s.req.request_id, s.token_ids, self.decode_of(s), s.req.params.warp, s.confidence.nll,
-                          self._draft_budget(s), _rng(s)) for s in states
-                if self.decode_of(s).uses_draft and not s.prefilling  # a draft is wasted while the target prefills
-                and s.req.request_id not in self._ngram_step]  # an n-gram chain needs no draft model
+        tasks = [DraftTask(s.req.request_id, s.token_ids, self.decode_of(s), s.req.params.warp, s.confidence.nll,
+                           self._draft_budget(s), _rng(s)) for s in states
+                 if self.decode_of(s).uses_draft and not s.prefilling  # a draft is wasted while the target prefills
+                 and s.req.request_id not in self._ngram_step]  # an n-gram chain needs no draft model
+        for t in tasks:
+            self._draft_seen[t.request_id] = len(t.token_ids)
+        return tasks
 
     def plain_step(self, request_ids: list[Hashable]) -> None:
         """These requests take this step without a draft: the target generates their next token, as in ar
@@ -177,6 +187,7 @@ class Orchestrator:
                 continue
             plan = plan_steps([self._plan_input(s) for s in auto], self.verify_cost_of(replica), draft_cost,
                               fixed_tokens=len(group) - len(auto))
+            self.planned.update(c.mode for c in plan)
             for s, c in zip(auto, plan):
                 rid = s.req.request_id
                 if c.mode == "ngram":  # verified as a greedy draft chain (one-hot draft rows when sampled)
@@ -195,7 +206,8 @@ class Orchestrator:
         return PlanInput(self._acceptance.setdefault(rid, Acceptance()).alpha, cap,
                          self._lookahead_gain.setdefault(rid, Gain()).mean,
                          tree.alpha if tree else None, decode.tree_width, decode.tree_chains,
-                         ngram=len(ngram.propose(cap)), ngram_alpha=self._ngram_alpha(rid))
+                         ngram=len(ngram.propose(cap)), ngram_alpha=self._ngram_alpha(rid),
+                         draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids) - self._draft_seen.get(rid, 0) - 1))
 
     def _ngram_alpha(self, rid: Hashable) -> float:
         """A request's n-gram acceptance: its own drafts' record, started from the server-wide estimate."""

@@ -29,6 +29,7 @@ Terms:
                  a tree (a = its acceptance), 1 + gain for Lookahead, 1 for ar;
                  draft time = sum over depths d of draft_step(draft lanes at depth d: one per
                  chain, tree_chains per tree, over the requests drafting d or more deep),
+                 plus the draft model's catch-up on tokens it has not seen, for the requests it drafts for,
                  target time = verify(sum_i tokens verified: 1 + g for a chain (model or n-gram),
                  1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead).
 """
@@ -140,6 +141,8 @@ class PlanInput:
     tree_chains: int = 1  # draft chains a tree grows (draft lanes per depth)
     ngram: int = 0  # tokens an n-gram draft proposes now (0: no match, not an option)
     ngram_alpha: float = 0.5  # acceptance estimate of an n-gram chain
+    draft_setup_s: float = 0.0  # the draft model's catch-up before it can draft for this request (tokens it has
+    # not seen x its prefill cost per token): paid by this step if the request picks a chain or a tree
 
     def options(self, drafts: bool) -> list[Choice]:
         """Every choice open to this request (``drafts``: a draft model's cost is known)."""
@@ -172,6 +175,10 @@ class PlanInput:
         """Draft lanes per depth, down to ``c.gamma``."""
         return 1 if c.mode == "speculative" else self.tree_chains if c.mode == "tree" else 0
 
+    def setup(self, c: Choice) -> float:
+        """Seconds of draft catch-up this choice costs before its draft steps."""
+        return self.draft_setup_s if self.lanes(c) else 0.0
+
 
 class _Step:
     """A step's totals under a plan (expected tokens, verified tokens, draft lanes by depth), kept up to date
@@ -183,7 +190,7 @@ class _Step:
         self._verify, self._draft_step = verify, draft_step
         self._verify_memo: dict[int, float] = {}
         self._draft_memo: dict[int, float] = {0: 0.0}
-        self.plan, self.tokens, self.verified = list(plan), 0.0, fixed_tokens
+        self.plan, self.tokens, self.verified, self.setup = list(plan), 0.0, fixed_tokens, 0.0
         self.lanes = [0] * max([c.gamma for c in plan] + [r.cap for r in reqs] + [0])
         for i, c in enumerate(plan):
             self._add(i, c, +1)
@@ -202,12 +209,13 @@ class _Step:
         r = self.reqs[i]
         self.tokens += sign * r.tokens(c)
         self.verified += sign * r.verified(c)
+        self.setup += sign * r.setup(c)
         if k := r.lanes(c):
             for d in range(c.gamma):
                 self.lanes[d] += sign * k
 
     def rate(self) -> float:
-        seconds = sum(self.draft(n) for n in self.lanes) + self.verify(self.verified)
+        seconds = self.setup + sum(self.draft(n) for n in self.lanes) + self.verify(self.verified)
         return self.tokens / seconds if seconds > 0 else 0.0
 
     def choose(self, i: int, options: list[Choice]) -> float:
@@ -215,7 +223,7 @@ class _Step:
         option costs O(1) after O(depth) prefix sums of what more draft lanes cost at each depth."""
         r = self.reqs[i]
         self._add(i, self.plan[i], -1)
-        base = sum(self.draft(n) for n in self.lanes)
+        base = self.setup + sum(self.draft(n) for n in self.lanes)
         extra: dict[int, list[float]] = {}  # lanes per depth -> extra draft time down to each depth
         best, choice = -1.0, self.plan[i]
         for c in options:
@@ -226,7 +234,7 @@ class _Step:
                     acc += self.draft(n + k) - self.draft(n)
                     sums.append(acc)
                 extra[k] = sums
-            seconds = base + (extra[k][c.gamma] if k else 0.0) + self.verify(self.verified + r.verified(c))
+            seconds = base + r.setup(c) + (extra[k][c.gamma] if k else 0.0) + self.verify(self.verified + r.verified(c))
             rate = (self.tokens + r.tokens(c)) / seconds if seconds > 0 else 0.0
             if rate > best * (1 + 1e-9) or (c == self.plan[i] and rate >= best):
                 best, choice = rate, c

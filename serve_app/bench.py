@@ -79,8 +79,8 @@ def run(args) -> int:
         raise CalidError("--requests, --max-new-tokens and --concurrency must be >= 1")
     cfg = AppConfig(grpc_port=args.port, http_port=0, max_active=args.concurrency) if args.qwen else \
         AppConfig.small(grpc_port=args.port, http_port=0, max_active=args.concurrency)
-    target = open_model(cfg.target, cfg.target_backend, cfg.dtype)
-    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype)
+    target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant)
+    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant)
     engine = Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=args.concurrency)
     texts = humaneval_prompts(max(n, args.concurrency))
     ids = [encode_prompt(target.tokenizer, t) for t in texts]

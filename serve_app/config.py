@@ -66,10 +66,12 @@ class AppConfig(BaseModel):
     draft_device: str | None = Field(None, description="device of the draft replicas: cpu (draft replicas are given "
                                      "no GPU, so they run on CPU nodes beside GPU targets)")
     target_device: str | None = Field(None, description="device of the target replicas (default: device)")
-    batch_invariant: bool = Field(False, description="torch models: batch-invariant forwards (a request's logits "
+    batch_invariant: bool = Field(False, description="batch-invariant forwards on both backends (a request's logits "
                                   "do not depend on what shares its batch nor on its mode's forward shapes: greedy "
-                                  "speculative/tree/lookahead equal ar in bf16 too); costs 20-60% on a 2-core CPU "
-                                  "(calid bench invariance); llama.cpp's exact mode is invariant already")
+                                  "speculative/tree/lookahead equal ar token for token). torch: fixed-shape kernels, "
+                                  "8-60% slower on a 2-core CPU (calid bench invariance); llama.cpp: exact mode, every "
+                                  "forward cut into calls of at most 3 rows, ~2.4x less throughput at 12 concurrent "
+                                  "requests on K-quant GGUFs (calid bench modes). Off: one llama.cpp call per forward")
     cuda_graphs: bool = Field(False, description="a CUDA target replays its decode steps from captured CUDA graphs "
                               "(batch buckets 1-32; calid.runtime.graphs); not for TP/PP groups")
     target_backend: str = Field("auto", description="auto: llama.cpp on CPU for GGUF models, torch on CUDA, "

@@ -209,7 +209,7 @@ class Router:
                 "pid": os.getpid(), "target_calls": self.calls.sent["target"], "draft_calls": self.calls.sent["draft"],
                 "target_fanout": self.calls.fanout["target"], "step_s": self._step_s,
                 "call_s": dict(self.calls.seconds), "draft_lost": self._draft_lost,
-                "draft_available": self.orch.draft_available}
+                "draft_available": self.orch.draft_available, "planned": dict(self.orch.planned)}
 
     async def drain(self) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not
@@ -481,6 +481,7 @@ class Router:
             return
         for size, secs in verify.items():
             self.orch.observe_verify(size, secs)
+        self.orch.draft_prefill_s = draft.pop("prefill_s", 0.0)
         for size, secs in draft.items():
             self.orch.observe_draft(size, 1, secs)
 

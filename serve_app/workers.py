@@ -168,15 +168,19 @@ class _WorkerBase:
             stats[QUEUE + router] = queued
         return stats
 
-    async def costs(self) -> dict[int, float]:
-        """Measured forward costs of this replica's model (seconds by size), for the router's planner."""
+    async def costs(self) -> dict:
+        """Measured forward costs of this replica's model (seconds by size), for the router's planner; a draft's
+        also has ``prefill_s``: seconds per token of catching up on a request's ids."""
         if not hasattr(self, "_costs"):
             from calid import calibration
 
-            measure = calibration.verify_costs if self.role == "target" else calibration.draft_costs
+            def measure(runner) -> dict:
+                if self.role == "target":
+                    return calibration.verify_costs(runner).as_dict()
+                return {**calibration.draft_costs(runner).as_dict(), "prefill_s": calibration.prefill_cost(runner)}
+
             runner = getattr(self, "_runner", None)
-            table = await asyncio.get_running_loop().run_in_executor(self._executor, measure, runner) if runner else None
-            self._costs = table.as_dict() if table else {}
+            self._costs = await asyncio.get_running_loop().run_in_executor(self._executor, measure, runner) if runner else {}
         return self._costs
 
     async def stats(self) -> dict:

@@ -74,3 +74,21 @@ def summarization(ds: DataSet, n: int) -> list[dict]:
 def mtbench_questions() -> list[dict]:
     """80 two-turn questions: question_id, category, turns [first, second]."""
     return jsonl(MT_BENCH)
+
+
+def grounded_prompts(n: int) -> list[str]:
+    """Work whose answer copies much of its input (where n-gram drafts cost nothing and pay): refactors of
+    HumanEval's reference functions (rename the function, keep its body) alternating with summaries of XSum
+    articles that quote them."""
+    problems, articles = humaneval(), summarization(XSUM, n)
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            p = problems[(i // 2) % len(problems)]
+            code = p["prompt"] + p["canonical_solution"]
+            out.append(f"Rename the function `{p['entry_point']}` to `{p['entry_point']}_v2` in this Python code and "
+                       f"change nothing else. Reply with the whole code only.\n\n```python\n{code}```")
+        else:
+            doc = articles[(i // 2) % len(articles)]["document"][:1500]
+            out.append("Summarize this article in three sentences, quoting its own words where you can.\n\n" + doc)
+    return out

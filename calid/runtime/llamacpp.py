@@ -106,7 +106,7 @@ class LlamaCppRunner:
     backend = "llamacpp"
 
     def __init__(self, gguf: str | Path, kv_budget_bytes: int | None = None, threads: int | None = None,
-                 slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True):
+                 slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True, repack: bool = True):
         lib = self._lib = _lib()
         gguf = Path(gguf)
         if not gguf.is_file():
@@ -114,6 +114,7 @@ class LlamaCppRunner:
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = repack
         self._model = lib.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {gguf.name}")
@@ -166,7 +167,8 @@ class LlamaCppRunner:
 
     def describe(self) -> str:
         return (f"llama.cpp {self.path.name}, {self.threads} threads, {self.slots} sequences x "
-                f"{self.cells_per_slot} tokens of KV ({self.kv_bytes / 2**20:.0f} MiB)")
+                f"{self.cells_per_slot} tokens of KV ({self.kv_bytes / 2**20:.0f} MiB), "
+                + ("exact (batch-invariant) forwards" if self.exact else "batched forwards"))
 
     @property
     def device(self) -> torch.device:

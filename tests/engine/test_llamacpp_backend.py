@@ -263,3 +263,20 @@ def test_exact_mode_keeps_whole_position_blocks_and_cuts_the_rest_small(ll):
     for slot in runs:  # a slot's tokens are decoded in order
         mine = [i for i in order if entries[i][2] == slot]
         assert mine == sorted(mine)
+
+
+def test_batch_invariant_selects_exact_mode_else_one_call_per_forward(ll, prompts):
+    """invariant=True (or the backend's default) cuts forwards small; invariant=False (a served app's default,
+    batch_invariant: false) decodes every sequence of a forward in one llama_decode call, and on this Q4_1 GGUF
+    (no repacked K-quant tiles) a batched row still equals the row computed alone."""
+    batched = open_model(TEST_MODEL, backend="llamacpp", invariant=False, **QUIET).runner
+    assert ll.runner.exact and not batched.exact and "batched forwards" in batched.describe()
+    entries = [(1, 100, slot) for slot in range(12)]
+    assert batched._calls(entries) == [list(range(12))] and len(ll.runner._calls(entries)) == 4
+    ids = ids_of(ll, prompts)
+    alone = [batched.forward([SeqInput(("alone", i), list(x))])[0] for i, x in enumerate(ids)]
+    together = batched.forward([SeqInput(("together", i), list(x)) for i, x in enumerate(ids)])
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+    for i in range(len(ids)):
+        batched.release(("alone", i))
+        batched.release(("together", i))

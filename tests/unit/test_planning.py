@@ -144,3 +144,14 @@ def test_on_a_compute_bound_cpu_an_ngram_chain_needs_a_high_acceptance():
     assert plan_steps([PlanInput(alpha=0.97, cap=8, ngram=8, ngram_alpha=0.97)], CPU_LIKE, draft)[0].mode == "ngram"
     assert plan_steps([PlanInput(alpha=0.97, cap=8)], CPU_LIKE, draft) == [AR]
     assert plan_steps([PlanInput(alpha=0.5, cap=8, ngram=8, ngram_alpha=0.5)], CPU_LIKE, draft) == [AR]
+
+
+def test_a_draft_that_must_catch_up_first_pays_for_it_in_the_step():
+    """A request the draft has not seen costs its catch-up too: a chain that pays on a warm draft does not
+    pay when the draft must first prefill 300 tokens."""
+    warm = PlanInput(alpha=0.9, cap=8)
+    cold = PlanInput(alpha=0.9, cap=8, draft_setup_s=300 * 0.002)
+    assert plan_steps([warm], GPU_LIKE, CHEAP_DRAFT)[0].mode == "speculative"
+    assert plan_steps([cold], GPU_LIKE, CHEAP_DRAFT) == [AR]
+    assert plan_steps([PlanInput(alpha=0.9, cap=8, ngram=4, ngram_alpha=0.9, draft_setup_s=1.0)], GPU_LIKE,
+                      CHEAP_DRAFT) == [Choice("ngram", 4)]  # an n-gram chain needs no draft model

@@ -1,0 +1,224 @@
+"""``calid bench modes``: does any mode the server chooses lose to plain decoding, served or in process?
+
+Side by side in one run, same prompts, greedy, fixed output length (EOS ignored): for each workload,
+concurrency C and mode, a burst of C requests through gRPC + Ray Serve and the same C requests through
+the in-process ``Engine`` (batch C), alternating which goes first, repeated ``--rounds`` times (the
+median counts: the machine is shared and noisy). Workloads:
+  humaneval  "complete this function" prompts: free-form generation, little to copy;
+  grounded   refactors of HumanEval's reference functions and summaries of XSum articles that quote
+             them: answers that copy their input, where n-gram drafts cost no model time.
+Printed per point: tokens/s served and in process, the ratio to ar at the same point, served/in-process,
+what serving adds per router step (the router's step time less the workers' forward time, from the
+server's own counters), the share of tokens that came from drafts, and greedy agreement with ar. Beside
+them: the CPU flags, the bandwidth limit of one decode step, and filter's physical cap at each C (every
+token still passes through the target when it catches up, so filter cannot beat ar by more than
+ar's cost per token / (target cost per token in catch-up chunks + the draft's cost per token)).
+"""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "inproc_tok_s", "inproc_vs_ar",
+           "served_vs_inproc", "serving_ms_per_step", "draft_share", "same_as_ar", "filter_cap"]
+WORKLOADS = ("humaneval", "grounded")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("modes", help="ar vs auto vs filter (and more) per concurrency, served beside in-process")
+    p.add_argument("--small", action="store_true", help="SmolLM2-135M with self:16 instead of the Qwen pair")
+    p.add_argument("--modes", default="ar,auto,filter", help="comma-separated modes (ar always runs)")
+    p.add_argument("--concurrency", default="1,4,12", help="comma-separated burst sizes")
+    p.add_argument("--workloads", default="humaneval,grounded", help=f"comma-separated among {', '.join(WORKLOADS)}")
+    p.add_argument("--rounds", type=int, default=2, help="repeats of every point (median reported)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--no-inproc", action="store_true", help="serve only (skip the in-process engine)")
+    p.add_argument("--batch-invariant", choices=("on", "off"), default=None, help="override the app config's "
+                   "batch_invariant (llama.cpp: exact forwards of at most 3 rows a call)")
+    p.add_argument("--port", type=int, default=50066)
+    p.add_argument("--out", default="bench_results")
+    p.set_defaults(func=run)
+
+
+def _options(args):
+    from calid.bench.report import parse_numbers
+    from calid.decoding.modes import MODES
+    from calid.errors import CalidError
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    sweep = parse_numbers(args.concurrency, int)
+    if any(m not in MODES for m in modes) or any(w not in WORKLOADS for w in workloads) or not workloads:
+        raise CalidError(f"--modes takes modes among {', '.join(MODES)}; --workloads among {', '.join(WORKLOADS)}")
+    if not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2:
+        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1 and --max-new-tokens >= 2")
+    return ["ar"] + [m for m in modes if m != "ar"], workloads, sorted(set(sweep))
+
+
+def run(args) -> int:
+    from calid.backends import cpu_summary, open_draft, open_model
+    from calid.bench.data import grounded_prompts, humaneval_prompts
+    from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
+    from calid.bench.report import write_report
+    from calid.engine import Engine
+    from calid.progress import progress
+    from calid.text import encode_prompt
+    from serve_app.config import AppConfig
+    from serve_app.local import serve_app, shutdown
+
+    modes, workloads, sweep = _options(args)
+    top = max(sweep)
+    base = AppConfig.small if args.small else AppConfig
+    cfg = base(grpc_port=args.port, http_port=0, max_active=top, queue_capacity=max(64, top))
+    if args.batch_invariant is not None:
+        cfg = cfg.model_copy(update={"batch_invariant": args.batch_invariant == "on"})
+    target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant)
+    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant)
+    engine = None if args.no_inproc else Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner,
+                                                max_batch=top)
+    texts = {"humaneval": humaneval_prompts(top), "grounded": grounded_prompts(top)}
+    bandwidth = memory_bandwidth_gbs()
+    limit = decode_limit_tok_s(bandwidth, target.decode_read_bytes)
+    print(f"bench modes: target {cfg.target}, draft {cfg.draft}; modes {modes}; concurrency {sweep}; workloads "
+          f"{workloads}; {args.rounds} rounds; {args.max_new_tokens} new tokens (EOS ignored), greedy; {cpu_summary()}; "
+          f"bandwidth {bandwidth:.1f} GB/s -> one decode step >= {1000 / limit:.1f} ms ({limit:.1f} tok/s at batch 1)",
+          file=sys.stderr)
+    serve_app(cfg, dashboard=False)
+    samples: dict[tuple, list[dict]] = {}
+    try:
+        address = f"127.0.0.1:{cfg.grpc_port}"
+        asyncio.run(_burst(address, cfg.app_name, "ar", texts["humaneval"][:1], 4))  # warm every path once
+        for mode in modes:
+            asyncio.run(_burst(address, cfg.app_name, mode, texts["humaneval"][:1], 4))
+        total = args.rounds * len(workloads) * len(sweep) * len(modes)
+        with progress(total, "bench modes", "point") as bar:
+            for rnd in range(args.rounds):
+                for w in workloads:
+                    for c in sweep:
+                        prompts = texts[w][:c]
+                        ids = [encode_prompt(target.tokenizer, t) for t in prompts]
+                        for mode in modes:
+                            samples.setdefault((w, c, mode), []).append(
+                                _point(cfg, address, engine, mode, prompts, ids, args.max_new_tokens, rnd % 2 == 1))
+                            bar.update(1)
+        caps = _filter_caps(engine, sweep) if engine is not None and "filter" in modes else {}
+    finally:
+        shutdown()
+    rows = _rows(samples, caps)
+    meta = {"target": cfg.target, "draft": cfg.draft, "batch_invariant": cfg.batch_invariant,
+            "new_tokens": args.max_new_tokens, "rounds": args.rounds,
+            "cpu": cpu_summary(), "bandwidth_GBps": round(bandwidth, 1), "decode_limit_tok_s": round(limit, 1)}
+    notes = [
+        "served_vs_ar / inproc_vs_ar: tokens/s relative to ar at the same workload and concurrency (median of rounds)",
+        "served_vs_inproc: served tokens/s / in-process tokens/s for the same requests (1.0 = serving costs nothing)",
+        "serving_ms_per_step: (router step time - workers' forward time) / router steps: transport and router work",
+        "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
+        "tokens) / all output tokens",
+        "same_as_ar: greedy outputs identical to ar's token for token (lossless modes must match)",
+        "filter_cap: ar's cost per token at this batch / (the draft's cost per token + the target's cost per token "
+        "when it catches up in chunks of 8), timed on the in-process runners: the most filter can gain here even "
+        "if the draft made every token (calid.calibration.filter_cap)",
+        f"decode limit: bandwidth {bandwidth:.1f} GB/s / {target.decode_read_bytes / 1e9:.2f} GB of target weights per "
+        "step",
+    ]
+    name = f"modes-{'small' if args.small else 'qwen'}-{'invariant' if cfg.batch_invariant else 'batched'}"
+    js, md = write_report(Path(args.out), name, "the server's choices vs plain decoding, served and in process",
+                          meta, rows, COLUMNS, notes)
+    print(md.read_text())
+    print(_verdict(rows, modes), file=sys.stderr)
+    print(f"wrote {js} and {md}", file=sys.stderr)
+    return 0
+
+
+def _point(cfg, address, engine, mode, prompts, ids, new, inproc_first: bool) -> dict:
+    """One burst served and (unless engine is None) the same burst in process, in the given order."""
+    def served():
+        before = _server_times(cfg)
+        t = time.perf_counter()
+        out = asyncio.run(_burst(address, cfg.app_name, mode, prompts, new))
+        seconds = time.perf_counter() - t
+        step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
+        return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
+                "serving_ms_per_step": (step_s - forward) * 1000 / steps if steps else float("nan"),
+                "outputs": [list(r.token_ids) for r in out],
+                "drafted": sum(r.stats.get("draft_tokens", 0) for r in out)}
+
+    def inproc():
+        from calid.decoding.modes import DecodeParams
+        from calid.generation import GenerationRequest, SamplingParams
+
+        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        t = time.perf_counter()
+        engine.generate([GenerationRequest(list(i), params, decode=DecodeParams(mode=mode)) for i in ids])
+        return {"inproc_s": time.perf_counter() - t}
+
+    parts = [inproc, served] if inproc_first else [served, inproc]
+    out = {}
+    for part in parts:
+        if part is inproc and engine is None:
+            continue
+        out.update(part())
+    return out
+
+
+async def _burst(address: str, app: str, mode: str, prompts: list[str], new: int):
+    from calid.client import AsyncClient
+
+    async with AsyncClient(address, app=app, timeout=1800) as c:
+        return await asyncio.gather(*[c.generate(p, max_new_tokens=new, ignore_eos=True, mode=mode) for p in prompts])
+
+
+def _server_times(cfg) -> tuple[float, int, float]:
+    from serve_app.bench import _server_times as times
+
+    return times(cfg)
+
+
+def _filter_caps(engine, sweep: list[int]) -> dict[int, float]:
+    """Filter's best possible ratio to ar at each batch size, timed on the engine's own runners."""
+    from calid.calibration import filter_cap
+
+    return {c: filter_cap(engine.target, engine.draft, c)["cap"] for c in sweep}
+
+
+def _rows(samples: dict, caps: dict) -> list[dict]:
+    rows = []
+    for (w, c, mode), runs in samples.items():
+        med = lambda key: statistics.median(r[key] for r in runs) if all(key in r for r in runs) else float("nan")
+        tokens = runs[0]["tokens"]
+        row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": tokens / med("served_s"),
+               "inproc_tok_s": tokens / med("inproc_s"), "serving_ms_per_step": med("serving_ms_per_step"),
+               "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
+               "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"]}
+        row["served_vs_inproc"] = row["served_tok_s"] / row["inproc_tok_s"]
+        rows.append(row)
+    ar = {(r["workload"], r["concurrency"]): r for r in rows if r["mode"] == "ar"}
+    for r in rows:
+        base = ar[(r["workload"], r["concurrency"])]
+        r["served_vs_ar"] = r["served_tok_s"] / base["served_tok_s"]
+        r["inproc_vs_ar"] = r["inproc_tok_s"] / base["inproc_tok_s"]
+        same = sum(a == b for a, b in zip(r["_outputs"], base["_outputs"]))
+        r["same_as_ar"] = f"{same}/{len(base['_outputs'])}"
+    for r in rows:
+        del r["_outputs"]
+    return rows
+
+
+def _verdict(rows: list[dict], modes: list[str]) -> str:
+    """The issue's targets, point by point."""
+    lines = []
+    for r in rows:
+        goal = {"auto": 1.3 if r["workload"] == "grounded" else 0.98, "filter": 1.3}.get(r["mode"])
+        if goal is not None:
+            ok = r["served_vs_ar"] >= goal
+            lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: {r['served_vs_ar']:.2f}x ar served "
+                         f"(target >= {goal}: {'met' if ok else 'missed'})"
+                         + (f"; cap on this machine {r['filter_cap']:.2f}x" if r["mode"] == "filter"
+                            and isinstance(r["filter_cap"], float) else ""))
+        if r["served_vs_inproc"] == r["served_vs_inproc"]:  # not NaN
+            lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: served/in-process "
+                         f"{r['served_vs_inproc']:.2f} (target >= 0.9: {'met' if r['served_vs_inproc'] >= 0.9 else 'missed'})")
+    return "\n".join(lines)
