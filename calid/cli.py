@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_cli_module("serve_app.load_bench").add_parser(bsub)
     _server_cli_module("serve_app.http_bench").add_parser(bsub)
     _server_cli_module("serve_app.modes_bench").add_parser(bsub)
+    _server_cli_module("serve_app.peers_bench").add_parser(bsub)
     return parser
 
 

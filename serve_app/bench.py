@@ -81,7 +81,8 @@ def run(args) -> int:
         AppConfig.small(grpc_port=args.port, http_port=0, max_active=args.concurrency)
     target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant)
     draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant)
-    engine = Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=args.concurrency)
+    engine = Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=args.concurrency,
+                    max_forward_tokens=cfg.max_forward_tokens)
     texts = humaneval_prompts(max(n, args.concurrency))
     ids = [encode_prompt(target.tokenizer, t) for t in texts]
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)

@@ -78,7 +78,7 @@ def run(args) -> int:
     target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant)
     draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant)
     engine = None if args.no_inproc else Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner,
-                                                max_batch=top)
+                                                max_batch=top, max_forward_tokens=cfg.max_forward_tokens)
     texts = {"humaneval": humaneval_prompts(top), "grounded": grounded_prompts(top)}
     bandwidth = memory_bandwidth_gbs()
     limit = decode_limit_tok_s(bandwidth, target.decode_read_bytes)

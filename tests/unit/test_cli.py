@@ -16,6 +16,9 @@ from calid.cli import main
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
         (["models", "pull", "gpt-17"], "unknown preset 'gpt-17'"),
         (["generate", "hi", "--model", "/no/such/model.gguf"], "GGUF file not found"),
+        (["bench", "modes", "--workloads", "chat"], "--workloads among humaneval, grounded"),
+        (["bench", "modes", "--concurrency", "0"], "--concurrency takes counts >= 1"),
+        (["bench", "peers", "--peers", "vllm"], "--peers among llama-cpp-python, llama-server"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
@@ -57,3 +60,10 @@ def test_client_without_a_server_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("calid: error: no calid server answers at 127.0.0.1:9 (start one with: calid serve)")
     assert err.count("\n") == 1
+
+
+def test_a_peer_that_cannot_run_says_why():
+    from serve_app.peers_bench import PeerUnavailable, _peer
+
+    with pytest.raises(PeerUnavailable, match="no llama-server binary"):
+        _peer("llama-server", "/x.gguf", 2, 8093, 4, None, "m")
