@@ -219,7 +219,8 @@ async def _closed_loop(url: str, model: str, mode: str, server: str, clients: in
                         tokens += 1
             except Exception as e:  # noqa: BLE001 - counted in the row's errors
                 return Outcome(sent, first, last, tokens, error=f"{type(e).__name__}: {e}")
-            return Outcome(sent, first, last, tokens)
+            # llama_cpp.server under concurrent requests ends some streams with no content and no error
+            return Outcome(sent, first, last, tokens, error=None if tokens else "the stream ended with no tokens")
 
         async def worker():
             while todo:
