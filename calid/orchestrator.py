@@ -64,6 +64,7 @@ class Orchestrator:
         self._ngram_acceptance: dict[Hashable, Acceptance] = {}
         self.ngram_acceptance = Acceptance(*NGRAM_PRIOR)
         self._ngram_step: dict[Hashable, list[int]] = {}
+        self._ngram_proposal: dict[Hashable, list[int]] = {}  # this step's n-gram proposal per auto request
         self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
         # the draft model's catch-up: seconds per token it prefills (measured by the caller), and how many of each
         # request's ids its last draft task carried (what its cache holds, unless evicted)
@@ -117,6 +118,7 @@ class Orchestrator:
         self._ngrams.pop(request_id, None)
         self._ngram_acceptance.pop(request_id, None)
         self._ngram_step.pop(request_id, None)
+        self._ngram_proposal.pop(request_id, None)
         self._draft_seen.pop(request_id, None)
 
     # ---- the planner's measurements -------------------------------------------------
@@ -191,7 +193,7 @@ class Orchestrator:
             for s, c in zip(auto, plan):
                 rid = s.req.request_id
                 if c.mode == "ngram":  # verified as a greedy draft chain (one-hot draft rows when sampled)
-                    self._ngram_step[rid] = self._ngrams[rid].propose(c.gamma)
+                    self._ngram_step[rid] = self._ngram_proposal[rid][: c.gamma]
                 self._step_decode[rid] = replace(s.req.decode, mode="speculative" if c.mode == "ngram" else c.mode,
                                                  gamma=c.gamma or s.req.decode.gamma)
 
@@ -203,10 +205,11 @@ class Orchestrator:
         cap = 0 if s.prefilling else self._draft_budget(s, decode.gamma)
         ngram = self._ngrams.setdefault(rid, NgramIndex())
         ngram.extend(s.token_ids)
+        proposal = self._ngram_proposal[rid] = ngram.propose(cap)
         return PlanInput(self._acceptance.setdefault(rid, Acceptance()).alpha, cap,
                          self._lookahead_gain.setdefault(rid, Gain()).mean,
                          tree.alpha if tree else None, decode.tree_width, decode.tree_chains,
-                         ngram=len(ngram.propose(cap)), ngram_alpha=self._ngram_alpha(rid),
+                         ngram=len(proposal), ngram_alpha=self._ngram_alpha(rid),
                          draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids) - self._draft_seen.get(rid, 0) - 1))
 
     def _ngram_alpha(self, rid: Hashable) -> float:

@@ -135,6 +135,8 @@ def run(args) -> int:
 
 def _point(cfg, address, engine, mode, prompts, ids, new, inproc_first: bool) -> dict:
     """One burst served and (unless engine is None) the same burst in process, in the given order."""
+    from serve_app.bench import _server_times
+
     def served():
         before = _server_times(cfg)
         t = time.perf_counter()
@@ -169,12 +171,6 @@ async def _burst(address: str, app: str, mode: str, prompts: list[str], new: int
 
     async with AsyncClient(address, app=app, timeout=1800) as c:
         return await asyncio.gather(*[c.generate(p, max_new_tokens=new, ignore_eos=True, mode=mode) for p in prompts])
-
-
-def _server_times(cfg) -> tuple[float, int, float]:
-    from serve_app.bench import _server_times as times
-
-    return times(cfg)
 
 
 def _filter_caps(engine, sweep: list[int]) -> dict[int, float]:

@@ -106,7 +106,7 @@ class LlamaCppRunner:
     backend = "llamacpp"
 
     def __init__(self, gguf: str | Path, kv_budget_bytes: int | None = None, threads: int | None = None,
-                 slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True, repack: bool = True):
+                 slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True):
         lib = self._lib = _lib()
         gguf = Path(gguf)
         if not gguf.is_file():
@@ -114,7 +114,6 @@ class LlamaCppRunner:
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
-        mparams.use_extra_bufts = repack
         self._model = lib.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {gguf.name}")
