@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_ar.add_parser(bsub)
     bench_decode.add_parser(bsub)
+    from calid.bench import quality_curve as bench_quality
+
+    bench_quality.add_parser(bsub)
     bench_trees.add_parsers(bsub)
     from calid.bench import sarathi as bench_sarathi
 
@@ -130,6 +133,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, default=None,
                    help="draft confidence (top-1 probability) in [0, 1]; default 0.7 for filter, "
                         "0.4 for speculative/rollback (stop drafting below it)")
+    p.add_argument("--min-agreement", type=float, default=None,
+                   help="filter: a quality budget instead of --threshold: the share of output tokens in (0, 1] that "
+                        "must equal the target's top-1; the threshold follows from the pair's calibration "
+                        "(calid bench quality) and moves to hold it (implies --mode filter)")
     p.add_argument("--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone")
     p.add_argument("--adaptive", action="store_true", help="LLMCad-style self-adaptive threshold")
     p.add_argument("--tree-width", type=int, default=3, help="tree: tokens tried where the draft is unsure")
@@ -142,10 +149,16 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 def decode_params(args):
     from calid.decoding.modes import DecodeParams
 
+    budget = getattr(args, "min_agreement", None)
+    if budget is not None:
+        if args.threshold is not None:
+            raise CalidError("set --threshold or --min-agreement, not both (the budget chooses the threshold)")
+        if args.mode == "ar":  # the flag's default: the budget says filter
+            args.mode = "filter"
     threshold = args.threshold if args.threshold is not None else (0.7 if args.mode == "filter" else 0.4)
     return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
                         adaptive=args.adaptive, tree_width=args.tree_width,
-                        tree_chains=args.tree_chains).validate()
+                        tree_chains=args.tree_chains, min_agreement=budget).validate()
 
 
 def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
@@ -228,6 +241,12 @@ def cmd_generate(args) -> int:
     engine = build_engine(lm, args.draft if decode.uses_draft else None, args.backend, args.dtype, args.device,
                           extra_specs=args.extra_draft if decode.mode == "tree" else (),
                           draft_backend=args.draft_backend, invariant=args.batch_invariant)
+    if decode.min_agreement is not None:
+        from calid.decoding.budget import starting_table
+
+        engine.orchestrator.agreement, source = starting_table(args.model, args.draft)
+        print(f"[min_agreement {decode.min_agreement:g}: agreement table from "
+              f"{source or 'no calibration (run calid bench quality): the draft assumed calibrated'}]", file=sys.stderr)
     request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params, decode=decode)
     for event in engine.stream([request]):
         sys.stdout.write(event.text)

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Callable, Hashable
 
+from calid.decoding.budget import AgreementTable, BudgetController
 from calid.decoding.modes import DecodeParams
 from calid.decoding.ngram import NgramIndex
 from calid.errors import CalidError
@@ -32,6 +33,9 @@ ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
 # what a request's n-gram acceptance starts from: the server's running estimate over every request's n-gram
 # drafts (so a workload that copies little stops trying them), weighing as much as this many of its own drafts
 NGRAM_PRIOR_WEIGHT = 2.0
+# an audited filter request whose draft has been confident all along still has the target look (catch up, compare
+# its top-1 with each draft token, add one token) once this many draft tokens await it: a budget needs feedback
+AUDIT_SPAN = 32
 NGRAM_PRIOR = (6.0, 1.0)  # (accepted tokens, rejections) before any n-gram draft was verified: alpha 0.78
 
 
@@ -71,6 +75,17 @@ class Orchestrator:
         self.draft_prefill_s = 0.0
         self._draft_seen: dict[Hashable, int] = {}
         self.draft_available = True  # False while the draft workers cannot be reached: every step is plain
+        # filter's quality: how often the draft's top-1 is the target's, by draft confidence (calid.decoding.budget;
+        # the caller may start it from a calibration file), what min_agreement requests have agreed so far, and the
+        # draft tokens each audited request has not had compared yet (position -> the draft's top-1 probability).
+        # Requests with a budget are audited, and one in ``audit_every`` other filter requests (0: none)
+        self.agreement = AgreementTable()
+        self.audit_every = 0
+        self.audited = [0, 0]  # output tokens of audited requests that agreed with the target's top-1, of counted
+        self._budgets: dict[Hashable, BudgetController] = {}
+        self._unaudited: dict[Hashable, dict[int, float]] = {}
+        self._held_out: dict[Hashable, tuple[int, float]] = {}
+        self._filter_seen = 0
         self._plain: set[Hashable] = set()  # requests this step runs without their draft (plain_step)
 
     # ---- admission ------------------------------------------------------------------
@@ -95,6 +110,12 @@ class Orchestrator:
             raise CalidError(f"request id {req.request_id!r} is already in flight")
         start = time.perf_counter() if arrived is None else arrived
         s = self.active[req.request_id] = RequestState(req, self.tokenizer, self.eos_ids, start)
+        if req.decode.mode == "filter":
+            self._filter_seen += 1
+            if req.decode.min_agreement is not None:
+                self._budgets[req.request_id] = BudgetController(req.decode.min_agreement)
+            if req.decode.min_agreement is not None or (self.audit_every and self._filter_seen % self.audit_every == 0):
+                self._unaudited[req.request_id] = {}
         return s
 
     def finish(self, request_id: Hashable) -> RequestState | None:
@@ -120,6 +141,9 @@ class Orchestrator:
         self._ngram_step.pop(request_id, None)
         self._ngram_proposal.pop(request_id, None)
         self._draft_seen.pop(request_id, None)
+        self._budgets.pop(request_id, None)
+        self._unaudited.pop(request_id, None)
+        self._held_out.pop(request_id, None)
 
     # ---- the planner's measurements -------------------------------------------------
 
@@ -153,6 +177,10 @@ class Orchestrator:
         self._plain.clear()
         self._ngram_step.clear()
         self._plan(states)
+        for s in states:
+            budget = self._budgets.get(s.req.request_id)
+            if budget is not None:
+                s.set_threshold(budget.threshold(self.agreement))
         if not self.draft_available:
             self.plain_step([s.req.request_id for s in states if s.req.request_id not in self._ngram_step])
         tasks = [DraftTask(s.req.request_id, s.token_ids, self.decode_of(s), s.req.params.warp, s.confidence.nll,
@@ -229,15 +257,28 @@ class Orchestrator:
             if d is not None:
                 s.stats.draft_calls += d.forwards
                 _set_rng(s, d.rng)
-            if d is not None and not d.needs_target:  # filter, every draft token confident: early acceptance
+            unaudited = self._unaudited.get(s.req.request_id)
+            if unaudited is not None and d is not None:
+                self._pend_audit(s, d, unaudited)
+            if d is not None and not d.needs_target and not (  # filter, every draft token confident: early acceptance,
+                    unaudited is not None and len(unaudited) >= AUDIT_SPAN):  # unless it is time the target looked
                 events += self._append(s, d.tokens, len(d.tokens), now)
                 continue
             ngram = self._ngram_step.get(s.req.request_id)
             tasks.append(VerifyTask(s.req.request_id, s.token_ids, len(s.req.prompt_ids), self.decode_of(s),
                                     s.req.params.warp, self._draft_budget(s),
                                     ngram if ngram is not None else d.tokens if d else [],
-                                    d.q if d else None, d.tree if d else None, _rng(s)))
+                                    d.q if d else None, d.tree if d else None, _rng(s),
+                                    audit_from=min(unaudited) if unaudited else None))
         return events, tasks
+
+    def _pend_audit(self, s: RequestState, d: DraftResult, unaudited: dict[int, float]) -> None:
+        """Remember the confidence of each draft token this step appends (or sends to the target), to be
+        compared with the target's top-1 when the target next sees it, and what the draft held back."""
+        at = len(s.token_ids)
+        unaudited.update((at + i, p) for i, p in enumerate(d.probs or ()))
+        if d.held_out is not None:
+            self._held_out[s.req.request_id] = d.held_out
 
     def after_verify(self, results: list[VerifyResult]) -> list[StreamEvent]:
         events, now = [], time.perf_counter()
@@ -264,8 +305,31 @@ class Orchestrator:
             elif v.verifying and rid in self._acceptance:
                 self._acceptance[rid].observe(v.accepted, v.proposed)
             self._adapt(s, v.accepted, v.proposed)
+            if rid in self._unaudited:
+                self._audit(rid, v)
             events += self._append(s, v.tokens, v.accepted, now)
         return events
+
+    def _audit(self, rid: Hashable, v: VerifyResult) -> None:
+        """Fold what the target saw into the agreement table and the request's budget: each audited draft
+        token (its top-1 there was, or was not, that token), the token the draft held back (was it the
+        target's choice?) and the target's own token (it agrees when it is the target's top-1: always, greedy)."""
+        unaudited, budget = self._unaudited[rid], self._budgets.get(rid)
+        agreed = counted = 0
+        for pos, match in enumerate(v.audit or (), start=v.audit_from):
+            prob = unaudited.pop(pos, None)
+            if prob is not None:
+                self.agreement.observe(prob, match)
+                agreed, counted = agreed + match, counted + 1
+        held = self._held_out.pop(rid, None)
+        if v.top1 is not None:
+            if held is not None:
+                self.agreement.observe(held[1], held[0] == v.top1)
+            agreed, counted = agreed + (v.tokens[-1] == v.top1), counted + 1
+        self.audited[0] += agreed
+        self.audited[1] += counted
+        if budget is not None:
+            budget.record(agreed, counted)
 
     # ---- helpers ----------------------------------------------------------------------
 

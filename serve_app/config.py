@@ -78,6 +78,11 @@ class AppConfig(BaseModel):
                                 "for TP/PP groups and for model folders; or torch / llamacpp")
     draft_backend: str = Field("auto", description="as target_backend, for the draft (self:N always runs on torch)")
     default_mode: str | None = None  # None: speculative with a draft, ar without
+    agreement_audit_every: int = Field(8, ge=0, description="filter requests without a quality budget whose draft "
+                                       "tokens the target compares with its own top-1 as it catches up (one in this "
+                                       "many; 0: none): keeps the live agreement estimate (calid_filter_agreement) "
+                                       "moving. Requests with min_agreement are always audited (a few extra logits "
+                                       "rows per target call)")
     max_active: int = Field(16, ge=1, description="requests one router decodes at once")
     queue_capacity: int = Field(64, ge=0, description="admitted requests waiting for a slot; more -> RESOURCE_EXHAUSTED")
     kv_budget_mb: int | None = Field(2048, ge=1)

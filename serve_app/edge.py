@@ -38,6 +38,9 @@ async def collaborate(router, stream, grpc_context):
     if first.WhichOneof("kind") != "open":
         raise refuse(grpc.StatusCode.INVALID_ARGUMENT, "the first Collaborate message must be open")
     msg = first.open
+    if msg.HasField("min_agreement"):  # the client's draft applies the threshold; the target audits nothing
+        raise refuse(grpc.StatusCode.INVALID_ARGUMENT, "min_agreement is served by Generate, not Collaborate "
+                     "(an edge client drafts with a fixed threshold)")
     msg.mode = msg.mode or "speculative"
     if msg.mode not in EDGE_MODES:
         raise refuse(grpc.StatusCode.INVALID_ARGUMENT,

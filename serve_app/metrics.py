@@ -41,6 +41,12 @@ class RouterMetrics:
                                           "and went on without them (target-only steps until a draft answers)")
         self.draft_available = metrics.Gauge("calid_draft_available", "1 while the router drafts, 0 while its "
                                              "draft workers are unreachable and every step is target-only")
+        self.filter_agreement = metrics.Gauge("calid_filter_agreement", "audited filter requests (every one with "
+                                              "min_agreement, one in agreement_audit_every of the rest): share of "
+                                              "their output tokens that equal the target's top-1 (since start)")
+        self.draft_top1_match = metrics.Gauge("calid_draft_match_rate", "the agreement table (min_agreement's "
+                                              "threshold choice): how often the draft's top-1 is the target's, "
+                                              "calibration plus what the target has seen")
         self.escalation_batch = metrics.Histogram("calid_escalation_batch_size",
                                                   "requests per router step that needed the target",
                                                   boundaries=COUNTS)
@@ -67,6 +73,11 @@ class RouterMetrics:
                 for n in sizes:
                     self.forward_cost.set(table(n) * 1000,
                                           tags={"role": role, "size": str(n), "target_replica": replica})
+
+    def agreement(self, audited: list[int], table) -> None:
+        if audited[1]:
+            self.filter_agreement.set(audited[0] / audited[1])
+            self.draft_top1_match.set(table.agreement_rate)
 
     def failed(self, mode: str, code: str, frontend: str = "grpc") -> None:
         self.requests.inc(tags={"mode": mode, "code": code, "frontend": frontend})

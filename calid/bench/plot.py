@@ -36,6 +36,40 @@ def quality_vs_filtered(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def quality_curve(rows: list[dict], path: Path) -> Path:
+    """calid bench quality: task quality, token match with the target and target NLL against the filtered
+    fraction, one point per configuration, one panel row per task kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in ("humaneval", "math", "mtbench") if any(r["task"] == k for r in rows)]
+    panels = (("quality", "pass@1 / exact match"), ("token_match", "tokens = target's top-1"),
+              ("target_nll", "target NLL per token"))
+    fig, axes = plt.subplots(max(1, len(kinds)), 3, figsize=(15, 3.6 * max(1, len(kinds))), squeeze=False)
+    markers = "osD^v<>ph*Xd"
+    for row_axes, kind in zip(axes, kinds):
+        points = [r for r in rows if r["task"] == kind]
+        for ax, (key, label) in zip(row_axes, panels):
+            for i, r in enumerate(points):
+                if isinstance(r.get(key), float):
+                    ax.scatter(r["filtered_fraction"], r[key], s=40, marker=markers[i % len(markers)],
+                               label=r["config"])
+            ax.set_xlabel("filtered fraction (tokens from the draft)")
+            ax.set_ylabel(f"{kind}: {label}")
+            ax.set_xlim(-0.03, 1.03)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels) or 1), fontsize=8, frameon=False)
+    fig.subplots_adjust(bottom=0.16, hspace=0.35, wspace=0.3)
+    fig.suptitle("Quality vs filtered fraction (calid bench quality)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def load_curves(rows: list[dict], loads: list[str], path: Path) -> Path:
     """Goodput and p99 TPOT of each mode against load (``loads``: the x axis, in order)."""
     import matplotlib

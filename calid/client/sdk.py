@@ -47,7 +47,7 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   top_k: int | None = None, seed: int | None = None, stop: list[str] | None = None,
                   mode: str = "", threshold: float | None = None, gamma: int | None = None,
                   raw_prompt: bool = False, ignore_eos: bool = False, model: str = "", logprobs: int | None = None,
-                  echo: bool = False) -> pb.GenerateRequest:
+                  echo: bool = False, min_agreement: float | None = None) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt or "", mode=mode,
                              raw_prompt=raw_prompt, ignore_eos=ignore_eos, stop=list(stop or []), model=model,
                              echo=echo)
@@ -55,7 +55,7 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
         msg.messages.add(role=m["role"], content=m["content"])
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed), ("threshold", threshold), ("gamma", gamma),
-                        ("logprobs", logprobs)):
+                        ("logprobs", logprobs), ("min_agreement", min_agreement)):
         if value is not None:
             setattr(msg, name, value)
     return msg

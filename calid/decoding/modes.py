@@ -32,6 +32,9 @@ class DecodeParams:
     rollback_nll  rollback: roll back past a draft token whose target NLL exceeds this
     adaptive      LLMCad-style self-adaptive threshold: raised after a rejection,
                   lowered after a fully accepted draft
+    min_agreement filter: a quality budget instead of a threshold: the share of output tokens that must
+                  equal the target's top-1 given the same prefix; the threshold is chosen, and moved
+                  step by step, to hold it while drafting as much as possible (calid.decoding.budget)
     """
 
     mode: str = "speculative"
@@ -41,6 +44,7 @@ class DecodeParams:
     adaptive: bool = False
     tree_width: int = 3
     tree_chains: int = 1
+    min_agreement: float | None = None
 
     def validate(self) -> "DecodeParams":
         if self.mode not in MODES:
@@ -55,6 +59,11 @@ class DecodeParams:
             raise InvalidRequestError(f"tree_chains must be an integer in [1, 8], got {self.tree_chains!r}")
         if math.isnan(self.rollback_nll) or self.rollback_nll < 0:
             raise InvalidRequestError(f"rollback_nll must be >= 0, got {self.rollback_nll!r}")
+        if self.min_agreement is not None:
+            if not isinstance(self.min_agreement, (int, float)) or not 0.0 < self.min_agreement <= 1.0:
+                raise InvalidRequestError(f"min_agreement must be in (0, 1], got {self.min_agreement!r}")
+            if self.mode != "filter":
+                raise InvalidRequestError(f"min_agreement is a budget for mode filter, not {self.mode!r}")
         return self
 
     @property

@@ -79,7 +79,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "raw_prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "mode", "threshold", "gamma", "model", "logprobs", "echo", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt", "messages", "raw_prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "mode", "threshold", "gamma", "model", "logprobs", "echo", "prompt_token_ids", "min_agreement")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -116,7 +117,8 @@ class GenerateRequest(_message.Message):
     logprobs: int
     echo: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[str] = ..., threshold: _Optional[float] = ..., gamma: _Optional[int] = ..., model: _Optional[str] = ..., logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_agreement: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[str] = ..., threshold: _Optional[float] = ..., gamma: _Optional[int] = ..., model: _Optional[str] = ..., logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., min_agreement: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -8,6 +8,7 @@ Tree mode grows an LLMCad/SpecInfer tree (``_draft_trees``).
 """
 from __future__ import annotations
 
+import math
 from typing import Hashable
 
 import torch
@@ -28,6 +29,8 @@ class _Chain:
         self.generator = load_generator(task.rng, device)
         self.tokens: list[int] = []
         self.q: list[torch.Tensor] = []
+        self.probs: list[float] = []
+        self.held_out: tuple[int, float] | None = None
         self.done = task.budget == 0
         self.needs_target = task.decode.mode != "filter" or self.done
         self.forwards = 0
@@ -39,6 +42,7 @@ class _Chain:
         confident = nll <= t.confidence_nll
         if t.decode.mode == "filter" and not confident:
             self.done, self.needs_target = True, True  # the target generates this token
+            self.held_out = (int(row.argmax()), math.exp(-nll))  # what it would have been (quality budget)
             return
         if t.warp.greedy:  # one-hot q: the argmax, without a distribution over the whole vocabulary
             token = int(row.argmax())
@@ -47,12 +51,14 @@ class _Chain:
             token = int(sample(q[None], self.generator)[0])
             self.q.append(q)
         self.tokens.append(token)
+        self.probs.append(math.exp(-nll))
         if not confident or len(self.tokens) >= t.budget or token in self.eos_ids:
             self.done = True
 
     def result(self) -> DraftResult:
         return DraftResult(self.task.request_id, self.tokens, torch.stack(self.q) if self.q else None,
-                           self.needs_target, None, self.forwards, save_generator(self.generator))
+                           self.needs_target, None, self.forwards, save_generator(self.generator),
+                           self.probs, self.held_out)
 
 
 class DraftWorker:

@@ -48,6 +48,8 @@ class DraftResult:
     tree: TokenTree | None = None  # tree mode
     forwards: int = 0  # draft forwards this request took part in
     rng: torch.Tensor | None = None
+    probs: list[float] | None = None  # chain modes: the draft's top-1 probability at each of ``tokens``
+    held_out: tuple[int, float] | None = None  # filter: the draft's top-1 (and its probability) it was unsure of
 
 
 @dataclass
@@ -63,6 +65,7 @@ class VerifyTask:
     tree: TokenTree | None = None  # tree mode; lookahead trees come from the worker's trie
     rng: torch.Tensor | None = None
     ids_from: int = 0  # as DraftTask.ids_from
+    audit_from: int | None = None  # filter: compare the target's top-1 with each id from this position on
 
 
 @dataclass
@@ -73,6 +76,9 @@ class VerifyResult:
     proposed: int  # draft tokens offered (chain length, or tree depth)
     verifying: bool  # the target judged draft tokens (False for filter / ar)
     rng: torch.Tensor | None = None
+    top1: int | None = None  # chain modes: the target's top-1 where it chose its next token
+    audit_from: int = 0  # the position of audit[0]
+    audit: list[bool] | None = None  # per id from audit_from on (committed, then draft): it is the target's top-1
 
 
 @dataclass

@@ -161,8 +161,13 @@ class TargetWorker:
         g, committed = len(t.draft), t.token_ids
         suffix = self.runner.sync(t.request_id, committed + t.draft, keep_at_most=len(committed) - 1)
         n = len(suffix)
-        all_rows = t.decode.mode in ("speculative", "rollback")
-        return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)) if all_rows else [n - 1])
+        if t.decode.mode in ("speculative", "rollback"):
+            return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)))
+        rows = [n - 1]
+        if t.audit_from is not None and t.decode.mode == "filter":  # the rows before each id from audit_from on
+            start = len(committed) + g - n  # the position of suffix[0]
+            rows = list(range(max(t.audit_from, start + 1) - 1 - start, n - 1)) + rows
+        return SeqInput(t.request_id, suffix, logits_at=rows)
 
     def _chain_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
         generator = load_generator(t.rng, rows.device)
@@ -173,12 +178,18 @@ class TargetWorker:
         q = None if t.q is None else t.q.to(rows.device)  # the draft's rows may come from another device
         if q is None and t.decode.mode == "speculative" and t.draft:  # greedy draft: one-hot rows
             q = torch.zeros(len(t.draft), rows.shape[-1], device=rows.device).scatter_(1, draft[:, None], 1.0)
+        verifying = t.decode.mode in ("speculative", "rollback")
+        audit, end = None, len(t.token_ids) + len(t.draft)
+        if not verifying and len(rows) > 1:  # filter audit rows: does each id equal the target's top-1?
+            ids = (t.token_ids + t.draft)[end - len(rows) + 1:]
+            audit = [a == b for a, b in zip(rows[:-1].argmax(-1).tolist(), ids)]
+            rows = rows[-1:]
         rule = get_rule("filter" if t.decode.mode == "ar" else t.decode.mode)
         v = rule(RuleInput(draft=draft, q=q, p=warp(rows, t.warp), generator=generator,
                            target_nll=target_nll, rollback_nll=t.decode.rollback_nll))
-        verifying = t.decode.mode in ("speculative", "rollback")
         return VerifyResult(t.request_id, t.draft[: v.accepted] + [v.next_token], v.accepted, len(t.draft),
-                            verifying, save_generator(generator))
+                            verifying, save_generator(generator), top1=int(rows[v.accepted if verifying else -1].argmax()),
+                            audit_from=end - len(audit or ()), audit=audit)
 
     def _tree_input(self, t: VerifyTask, tree: TokenTree) -> SeqInput:
         committed = t.token_ids

@@ -48,6 +48,12 @@ def test_greedy_over_grpc_equals_in_process(client, local_engine, smol, mode):
         assert got.token_ids == w.output_ids, f"{mode}: {got.text!r} != {w.text!r}"
         assert got.text == w.text and got.finish_reason == w.finish_reason
         assert got.stats["mode"] == mode and got.stats["output_tokens"] == len(w.output_ids)
+        if mode == "auto":
+            # auto's per-step choice follows measured costs and the server's running n-gram estimate, so
+            # which steps were drafted can differ between two engines; the tokens may not (checked above)
+            assert 0.0 <= got.stats["filtered_fraction"] <= 1.0
+            assert 1 <= got.stats["target_calls"] <= len(w.output_ids) + 1
+            continue
         assert got.stats["filtered_fraction"] == pytest.approx(w.stats.filtered_fraction)
         assert got.stats["target_calls"] == w.stats.target_calls
 

@@ -19,6 +19,12 @@ from calid.cli import main
         (["bench", "modes", "--workloads", "chat"], "--workloads among humaneval, grounded"),
         (["bench", "modes", "--concurrency", "0"], "--concurrency takes counts >= 1"),
         (["bench", "peers", "--peers", "vllm"], "--peers among llama-cpp-python, llama-server"),
+        (["generate", "hi", "--min-agreement", "0.9", "--threshold", "0.5"], "--threshold or --min-agreement, not both"),
+        (["generate", "hi", "--min-agreement", "1.5"], "min_agreement must be in (0, 1]"),
+        (["generate", "hi", "--mode", "speculative", "--min-agreement", "0.9"], "a budget for mode filter"),
+        (["bench", "quality", "--batch", "0"], "--batch and --max-new-tokens must be >= 1"),
+        (["bench", "quality", "--only", "filter t=0.33"], "--only: unknown configuration"),
+        (["bench", "quality", "--budgets", "0.9,2"], "min_agreement must be in (0, 1]"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
