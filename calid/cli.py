@@ -163,9 +163,10 @@ def decode_params(args):
 
 def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                  max_batch: int = 8, extra_specs: list[str] | tuple = (), draft_backend: str | None = None,
-                 invariant: bool | None = None):
+                 invariant: bool | None = None, max_forward_tokens: int | None = None):
     """Engine over an opened target (calid.backends.OpenModel), an optional draft and extra tree drafters
-    (model specs, or self:N). ``draft_backend`` defaults to ``backend``."""
+    (model specs, or self:N). ``draft_backend`` defaults to ``backend``; ``max_forward_tokens``: SARATHI's
+    budget per forward (needed when many prompts start together: llama.cpp refuses a forward over its batch)."""
     from calid.backends import open_draft
     from calid.engine import Engine
 
@@ -177,7 +178,7 @@ def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: s
 
     return Engine(target.runner, target.tokenizer, target.eos_ids,
                   draft=runner(draft_spec) if draft_spec else None, max_batch=max_batch,
-                  extra_drafts=[runner(s) for s in extra_specs])
+                  extra_drafts=[runner(s) for s in extra_specs], max_forward_tokens=max_forward_tokens)
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:

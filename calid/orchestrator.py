@@ -275,6 +275,9 @@ class Orchestrator:
     def _pend_audit(self, s: RequestState, d: DraftResult, unaudited: dict[int, float]) -> None:
         """Remember the confidence of each draft token this step appends (or sends to the target), to be
         compared with the target's top-1 when the target next sees it, and what the draft held back."""
+        if d.tokens and d.probs is None:  # drafted where confidences are not reported (an edge client's round)
+            self._unaudited.pop(s.req.request_id, None)
+            return
         at = len(s.token_ids)
         unaudited.update((at + i, p) for i, p in enumerate(d.probs or ()))
         if d.held_out is not None:
@@ -321,6 +324,9 @@ class Orchestrator:
             if prob is not None:
                 self.agreement.observe(prob, match)
                 agreed, counted = agreed + match, counted + 1
+        if v.audit is not None:  # what the target did not recompute (it was cached) cannot be audited any more
+            for pos in [p for p in unaudited if p < v.audit_from]:
+                del unaudited[pos]
         held = self._held_out.pop(rid, None)
         if v.top1 is not None:
             if held is not None:

@@ -45,6 +45,7 @@ from calid.runtime.runner import SeqInput
 
 SCORE_ROWS = 128  # logits rows per scoring forward (128 x 152k vocab x 4 B = 78 MB)
 POINTS = 2.0  # the operating point: pass@1 within this many points of ar
+FORWARD_TOKENS = 256  # SARATHI budget per forward, a served app's default: a batch of new prompts is prefilled in chunks
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,8 @@ def run(args) -> int:
     cfgs = configs(args)
     work = items(args.limit, args.math, args.mtbench, args.max_new_tokens)
     target = open_model(args.target, args.backend, args.dtype, invariant=False)
-    engine = build_engine(target, args.draft, args.backend, args.dtype, max_batch=args.batch, invariant=False)
+    engine = build_engine(target, args.draft, args.backend, args.dtype, max_batch=args.batch, invariant=False,
+                          max_forward_tokens=FORWARD_TOKENS)
     tok = target.tokenizer
     meta = {"target": args.target, "draft": args.draft, "max_new_tokens": args.max_new_tokens, "sampling": "greedy",
             "gamma": 8}
