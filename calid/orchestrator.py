@@ -33,8 +33,9 @@ ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
 # what a request's n-gram acceptance starts from: the server's running estimate over every request's n-gram
 # drafts (so a workload that copies little stops trying them), weighing as much as this many of its own drafts
 NGRAM_PRIOR_WEIGHT = 2.0
-# an audited filter request whose draft has been confident all along still has the target look (catch up, compare
-# its top-1 with each draft token, add one token) once this many draft tokens await it: a budget needs feedback
+# a budget request whose draft has been confident all along still has the target look (catch up, compare its
+# top-1 with each draft token, add one token) once this many draft tokens await it: a budget needs feedback.
+# Other audited requests are only observed: their output is what it would be unaudited
 AUDIT_SPAN = 32
 NGRAM_PRIOR = (6.0, 1.0)  # (accepted tokens, rejections) before any n-gram draft was verified: alpha 0.78
 
@@ -261,7 +262,7 @@ class Orchestrator:
             if unaudited is not None and d is not None:
                 self._pend_audit(s, d, unaudited)
             if d is not None and not d.needs_target and not (  # filter, every draft token confident: early acceptance,
-                    unaudited is not None and len(unaudited) >= AUDIT_SPAN):  # unless it is time the target looked
+                    s.req.request_id in self._budgets and len(unaudited) >= AUDIT_SPAN):  # unless a budget needs a look
                 events += self._append(s, d.tokens, len(d.tokens), now)
                 continue
             ngram = self._ngram_step.get(s.req.request_id)
