@@ -45,6 +45,7 @@ from calid.runtime.runner import SeqInput
 
 SCORE_ROWS = 128  # logits rows per scoring forward (128 x 152k vocab x 4 B = 78 MB)
 POINTS = 2.0  # the operating point: pass@1 within this many points of ar
+DRAFT_ONLY = "draft only"  # run as the draft model alone (ar on it), not through the target's engine
 FORWARD_TOKENS = 256  # SARATHI budget per forward, a served app's default: a batch of new prompts is prefilled in chunks
 
 
@@ -123,7 +124,7 @@ def solved(item: Item, text: str) -> bool | None:
 # ---- configurations ----------------------------------------------------------------------
 
 def configs(args) -> list[tuple[str, DecodeParams]]:
-    out = [("ar", DecodeParams(mode="ar")), ("draft only", DecodeParams(mode="filter", gamma=8, threshold=0.0))]
+    out = [("ar", DecodeParams(mode="ar")), (DRAFT_ONLY, DecodeParams(mode="filter", gamma=8, threshold=0.0))]
     out += [(f"filter t={t:g}", DecodeParams(mode="filter", gamma=8, threshold=t))
             for t in parse_numbers(args.filter_thresholds)]
     out += [(f"rollback nll>{r:g}", DecodeParams(mode="rollback", gamma=8, threshold=0.4, rollback_nll=r))
@@ -241,6 +242,7 @@ def run(args) -> int:
     from calid.backends import cpu_summary, open_model
     from calid.cli import build_engine
     from calid.decoding.budget import AgreementTable, calibration_path
+    from calid.engine import Engine
     from calid.text import encode_prompt
 
     if args.batch < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 0):
@@ -271,7 +273,12 @@ def run(args) -> int:
             if not _calibrated(cal_path, store, work):
                 calibrate(store, work, prompt_ids, engine.draft, args.target, args.draft, cal_path)
             engine.orchestrator.agreement = AgreementTable.load(cal_path)
-        _generate(engine, store, name, decode, todo, prompt_ids, tok)
+        if name == DRAFT_ONLY:  # the draft model decoding alone (filter at 0 would let the target decode the
+            # first token of a request whose prompt the draft is still prefilling in chunks)
+            alone = Engine(engine.draft, tok, target.eos_ids, max_batch=args.batch, max_forward_tokens=FORWARD_TOKENS)
+            _generate(alone, store, name, DecodeParams(mode="ar"), todo, prompt_ids, tok, from_draft=True)
+        else:
+            _generate(engine, store, name, decode, todo, prompt_ids, tok)
     if not args.report_only and any(store.get("ar", it.key) for it in work) and not _calibrated(cal_path, store, work):
         calibrate(store, work, prompt_ids, engine.draft, args.target, args.draft, cal_path)
     _score_all(engine.target, store, cfgs, work, prompt_ids)
@@ -280,7 +287,10 @@ def run(args) -> int:
     return 0
 
 
-def _generate(engine, store: Store, name: str, decode: DecodeParams, todo: list[Item], prompt_ids, tok) -> None:
+def _generate(engine, store: Store, name: str, decode: DecodeParams, todo: list[Item], prompt_ids, tok,
+              from_draft: bool = False) -> None:
+    """Run ``todo`` through ``engine`` and store each result as it finishes (``from_draft``: the engine's model
+    is the draft: every token counts as drafted)."""
     by_id = {}
     reqs = []
     for it in todo:
@@ -298,7 +308,8 @@ def _generate(engine, store: Store, name: str, decode: DecodeParams, todo: list[
             text = tok.decode(res.output_ids, skip_special_tokens=True)
             tokens += len(res.output_ids)
             store.add({"config": name, "key": it.key, "output_ids": res.output_ids, "text": text,
-                       "draft_tokens": res.stats.draft_tokens, "target_calls": res.stats.target_calls,
+                       "draft_tokens": len(res.output_ids) if from_draft else res.stats.draft_tokens,
+                       "target_calls": 0 if from_draft else res.stats.target_calls,
                        "solved": solved(it, text)})
             bar.update(1)
             bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s")
