@@ -80,6 +80,8 @@ def add_parser(sub) -> None:
     p.add_argument("--fresh", action="store_true", help="discard earlier partial results of this pair")
     p.add_argument("--calibration", default=None, help="where to write the agreement calibration (default: where "
                    "serving reads it for this pair, under CALID_HOME/calibration)")
+    p.add_argument("--no-score", action="store_true", help="generate only; score and report in a later run "
+                   "(scoring runs the target over every output: ~2.5 s each for the Qwen pair on 2 cores)")
     p.add_argument("--report-only", action="store_true", help="generate nothing: score and report what earlier "
                    "(possibly stopped) runs left")
     add_backend_args(p)
@@ -281,6 +283,8 @@ def run(args) -> int:
             _generate(engine, store, name, decode, todo, prompt_ids, tok)
     if not args.report_only and any(store.get("ar", it.key) for it in work) and not _calibrated(cal_path, store, work):
         calibrate(store, work, prompt_ids, engine.draft, args.target, args.draft, cal_path)
+    if args.no_score:
+        return 0
     _score_all(engine.target, store, cfgs, work, prompt_ids)
     rows = summarize(cfgs, work, store)
     _report(args, folder, target, rows, work, cal_path)
