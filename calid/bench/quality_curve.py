@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=320, help="HumanEval and MT-bench cap; math gets 160")
     p.add_argument("--filter-thresholds", default="0.9,0.8,0.6,0.4,0.2", help="top-1 probabilities")
     p.add_argument("--rollback-nlls", default="1,2,4", help="target NLL bounds (rollback drafts with threshold 0.4)")
-    p.add_argument("--budgets", default="0.8,0.9,0.95", help="min_agreement budgets (held-out half)")
+    p.add_argument("--budgets", default="0.95,0.98,0.99", help="min_agreement budgets (held-out half)")
     p.add_argument("--only", default=None, help="comma-separated configuration names to run (default: all, in order)")
     p.add_argument("--batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument("--out", default="bench_results")
