@@ -41,9 +41,8 @@ from calid.decoding.modes import DecodeParams
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, SamplingParams
 from calid.progress import progress
-from calid.runtime.runner import SeqInput
+from calid.workers.target import teacher_forced
 
-SCORE_ROWS = 128  # logits rows per scoring forward (128 x 152k vocab x 4 B = 78 MB)
 POINTS = 2.0  # the operating point: pass@1 within this many points of ar
 DRAFT_ONLY = "draft only"  # run as the draft model alone (ar on it), not through the target's engine
 FORWARD_TOKENS = 256  # SARATHI budget per forward, a served app's default: a batch of new prompts is prefilled in chunks
@@ -83,7 +82,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-score", action="store_true", help="generate only; score and report in a later run "
                    "(scoring runs the target over every output: ~2.5 s each for the Qwen pair on 2 cores)")
     p.add_argument("--report-only", action="store_true", help="generate nothing: score and report what earlier "
-                   "(possibly stopped) runs left")
+                   "(possibly stopped) runs left (with --no-score: report without scoring; token match and NLL "
+                   "only where scored)")
     add_backend_args(p)
     p.set_defaults(func=run)
 
@@ -186,16 +186,9 @@ class Store:
 def score(runner, key: str, prompt: list[int], output: list[int]) -> tuple[list[float], list[int], list[float]]:
     """Under ``runner``, for each output token: its log-probability, the model's top-1 there and the top-1's
     probability. The sequence is cached under ``key`` (a prompt scored again is not recomputed)."""
-    ids = prompt + output
     logp_out, top_ids, top_p = [], [], []
-    for pos in range(len(prompt), len(ids), SCORE_ROWS):  # ids[p] is scored by the row at p - 1
-        end = min(len(ids), pos + SCORE_ROWS)
-        suffix = runner.sync(key, ids[:end], keep_at_most=pos - 1)
-        first = end - len(suffix)
-        rows = runner.forward([SeqInput(key, suffix, logits_at=list(range(pos - 1 - first, end - 1 - first)))])[0]
-        lp = torch.log_softmax(rows.float(), -1)
-        chosen = torch.tensor(ids[pos:end], dtype=torch.long, device=lp.device)
-        logp_out += lp.gather(1, chosen[:, None]).squeeze(1).tolist()
+    for lp, chosen in teacher_forced(runner, key, prompt + output, len(prompt)):
+        logp_out += chosen
         best, best_id = lp.max(-1)
         top_ids += best_id.tolist()
         top_p += best.exp().tolist()
@@ -283,9 +276,10 @@ def run(args) -> int:
             _generate(engine, store, name, decode, todo, prompt_ids, tok)
     if not args.report_only and any(store.get("ar", it.key) for it in work) and not _calibrated(cal_path, store, work):
         calibrate(store, work, prompt_ids, engine.draft, args.target, args.draft, cal_path)
-    if args.no_score:
+    if args.no_score and not args.report_only:
         return 0
-    _score_all(engine.target, store, cfgs, work, prompt_ids)
+    if not args.no_score:
+        _score_all(engine.target, store, cfgs, work, prompt_ids)
     rows = summarize(cfgs, work, store)
     _report(args, folder, target, rows, work, cal_path)
     return 0

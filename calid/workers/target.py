@@ -29,6 +29,20 @@ SCORE_ROWS = 128  # logits rows per scoring forward: bounds its memory (128 x 15
 MAX_TOP_K = 20
 
 
+def teacher_forced(runner: ModelRunner, key: Hashable, ids: list[int], start: int):
+    """``ids[start:]`` scored by ``runner`` given the ids before each, in forwards of at most SCORE_ROWS logits
+    rows: yields, chunk by chunk, the log-softmax rows and the log-probabilities of the chunk's ids. The
+    sequence stays cached under ``key`` (a prefix scored before is not recomputed; the caller releases it)."""
+    for pos in range(start, len(ids), SCORE_ROWS):  # ids[p] is scored by the logits row at p - 1
+        end = min(len(ids), pos + SCORE_ROWS)
+        suffix = runner.sync(key, ids[:end], keep_at_most=pos - 1)
+        first = end - len(suffix)  # position of suffix[0]
+        rows = runner.forward([SeqInput(key, suffix, logits_at=list(range(pos - 1 - first, end - 1 - first)))])[0]
+        lp = torch.log_softmax(rows.float(), -1)
+        chosen = torch.tensor(ids[pos:end], dtype=torch.long, device=lp.device)
+        yield lp, lp.gather(1, chosen[:, None]).squeeze(1).tolist()
+
+
 class TargetWorker:
     """``max_forward_tokens`` (SARATHI): the token budget of one forward. Decodes and verifications
     always run (decode-maximal batching); the budget left over is filled with chunks of the
@@ -90,20 +104,13 @@ class TargetWorker:
         key, ids = ("score", t.request_id), t.token_ids
         logprobs, top = [], []
         try:
-            for pos in range(t.start, len(ids), SCORE_ROWS):  # ids[p] is scored by the logits row at p - 1
-                end = min(len(ids), pos + SCORE_ROWS)
-                suffix = self.runner.sync(key, ids[:end], keep_at_most=pos - 1)
-                first = end - len(suffix)  # position of suffix[0]
-                rows = self.runner.forward([SeqInput(key, suffix, logits_at=list(range(pos - 1 - first,
-                                                                                     end - 1 - first)))])[0]
-                lp = torch.log_softmax(rows.float(), -1)
-                chosen = torch.tensor(ids[pos:end], dtype=torch.long, device=lp.device)
-                logprobs += lp.gather(1, chosen[:, None]).squeeze(1).tolist()
+            for lp, chosen in teacher_forced(self.runner, key, ids, t.start):
+                logprobs += chosen
                 if t.top_k:
                     values, indices = lp.topk(t.top_k, -1)
                     top += [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
                 else:
-                    top += [[] for _ in range(end - pos)]
+                    top += [[] for _ in chosen]
         finally:
             self.runner.release(key)
         return ScoreResult(t.request_id, logprobs, top)

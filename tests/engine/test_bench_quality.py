@@ -1,5 +1,6 @@
 """calid bench quality end to end on SmolLM2 (its first 16 layers as the draft): every configuration runs,
-the report and the calibration are written, and a second run resumes instead of starting over."""
+the report and the calibration are written, generating and scoring can be split across runs, and a run
+resumes instead of starting over."""
 from __future__ import annotations
 
 import json
@@ -17,8 +18,14 @@ def test_bench_quality_runs_writes_a_calibration_and_resumes(smol, tmp_path, cap
     argv = ["bench", "quality", "--target", "smollm2-135m-instruct", "--draft", "self:16", "--limit", "2",
             "--math", "2", "--mtbench", "2", "--max-new-tokens", "12", "--filter-thresholds", "0.5",
             "--rollback-nlls", "2", "--budgets", "0.9", "--out", str(tmp_path), "--calibration", str(cal)]
-    assert main(argv) == 0
     folder = tmp_path / "quality-smollm2-135m-instruct--self_16"
+    assert main(argv + ["--no-score"]) == 0  # generate only: no report yet
+    assert not (folder / "quality.json").exists()
+    assert main(argv + ["--report-only", "--no-score"]) == 0  # a report of what is there, nothing scored
+    unscored = json.loads((folder / "quality.json").read_text())["rows"]
+    assert {r["token_match"] for r in unscored} == {"-"} and all(r["quality"] != "-" for r in unscored
+                                                                 if r["task"] == "humaneval")
+    assert main(argv) == 0  # scores what the first run generated
     report = json.loads((folder / "quality.json").read_text())
     rows = {(r["config"], r["task"]): r for r in report["rows"]}
     assert {c for c, _ in rows} == {"ar", "draft only", "filter t=0.5", "rollback nll>2", "min_agreement 0.9"}
