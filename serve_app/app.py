@@ -14,6 +14,7 @@ from ray.serve.config import gRPCOptions
 from serve_app.autoscaling import autoscaling_config
 from serve_app.routing import request_router_config
 from serve_app.config import AppConfig, check_auth, check_models, check_resources, load_config
+from serve_app.models_front import ModelFront
 from serve_app.router import Router
 from serve_app.workers import DraftDeployment, TargetDeployment
 
@@ -25,7 +26,9 @@ WORKER_LOGGING = {"enable_access_log": False}
 
 def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     cfg = load_config(args)
-    check_models(cfg)
+    per_model = cfg.model_configs
+    for model_cfg in per_model.values():
+        check_models(model_cfg)
     check_auth(cfg)
     if check_cluster:
         import ray
@@ -33,11 +36,20 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
         if ray.is_initialized():
             check_resources(cfg, ray.cluster_resources(),
                             [n["Resources"] for n in ray.nodes() if n["Alive"]])
+    if not cfg.models:
+        return _model_app(cfg)
+    routers = {name: _model_app(c, suffix=f"-{name}") for name, c in per_model.items()}
+    return ModelFront.options(ray_actor_options={"num_cpus": cfg.router_num_cpus,
+                                                 "resources": cfg.router_resources}).bind(cfg.model_dump(), routers)
+
+
+def _model_app(cfg: AppConfig, suffix: str = ""):
+    """One model's router, draft and target deployments (``suffix``: their names' in a multi-model app)."""
     config = cfg.model_dump()
     sharded = cfg.sharded  # the shards hold the model (and the GPUs); the replica only drives them
     spread = {"max_replicas_per_node": cfg.max_replicas_per_node} if cfg.max_replicas_per_node else {}
     target = TargetDeployment.options(
-        **spread, health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
+        name="target" + suffix, **spread, health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
         request_router_config=request_router_config(),
         ray_actor_options={"num_cpus": cfg.target_num_cpus, "num_gpus": 0.0 if sharded else cfg.target_num_gpus,
                            "resources": cfg.target_resources},
@@ -46,13 +58,14 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     draft = None
     if cfg.draft is not None:
         draft = DraftDeployment.options(
-            **spread, health_check_period_s=HEALTH_CHECK_PERIOD_S, logging_config=WORKER_LOGGING,
-            request_router_config=request_router_config(),
+            name="draft" + suffix, **spread, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+            logging_config=WORKER_LOGGING, request_router_config=request_router_config(),
             ray_actor_options={"num_cpus": cfg.draft_num_cpus, "resources": cfg.draft_resources},
             autoscaling_config=autoscaling_config(cfg.draft_scaling),
         ).bind(config)
     routers = cfg.router_scaling
-    return Router.options(ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources},
+    return Router.options(name="router" + suffix,
+                          ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources},
                           autoscaling_config={
         "min_replicas": routers.min_replicas, "max_replicas": routers.max_replicas,
         "initial_replicas": routers.min_replicas,

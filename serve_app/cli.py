@@ -8,9 +8,11 @@ import sys
 import threading
 import time
 
+from pydantic import ValidationError
+
 from calid.errors import CalidError
 from calid.models.source import served_name
-from serve_app.config import AppConfig, ConfigError
+from serve_app.config import AppConfig, ConfigError, reasons
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +37,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="require API keys: a file with one accepted key per line (clients: --api-key)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--models", default=None, metavar="[NAME=]TARGET[+DRAFT],...",
+                   help="serve several models from one app (AlpaServe), each with its own router, draft and "
+                        "target replicas; requests name theirs (proto/SDK `model`). E.g. "
+                        "'qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct,qwen2.5-coder-0.5b-instruct,"
+                        "smol=smollm2-135m-instruct+self:16' (overrides --target/--draft)")
     p.add_argument("--drain-grace-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long requests in flight may run before shutdown (default 30)")
 
@@ -56,10 +63,28 @@ def config_from_args(args) -> AppConfig:
         overrides["api_keys_file"] = args.api_keys_file
     if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
         overrides["tls_cert_file"], overrides["tls_key_file"] = args.tls_cert, args.tls_key
+    if getattr(args, "models", None):
+        overrides["models"] = parse_models(args.models)
     try:
         return AppConfig.small(**overrides) if args.small else AppConfig(**overrides)
-    except ValueError as e:
-        raise ConfigError(f"invalid server options: {e}") from None
+    except ValidationError as e:
+        raise ConfigError(f"invalid server options: {reasons(e)}") from None
+
+
+def parse_models(text: str) -> list[dict]:
+    """``--models``: comma-separated ``[NAME=]TARGET[+DRAFT]``; NAME defaults to the target's served name."""
+    models = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, _, spec = item.rpartition("=")
+        target, _, draft = spec.partition("+")
+        if not target:
+            raise ConfigError(f"--models: {item!r} names no target model ([NAME=]TARGET[+DRAFT])")
+        models.append({"name": name or served_name(target), "target": target, "draft": draft or None})
+    if not models:
+        raise ConfigError("--models: no model given ([NAME=]TARGET[+DRAFT],...)")
+    return models
 
 
 def cmd_serve(args) -> int:
@@ -69,7 +94,9 @@ def cmd_serve(args) -> int:
 
     cfg = config_from_args(args)
     stop = threading.Event()
-    print(f"[calid] starting Ray and the calid app (target {cfg.target}, draft {cfg.draft}) ...", file=sys.stderr)
+    serving = (", ".join(f"{m.name} (target {m.target}, draft {m.draft})" for m in cfg.models) if cfg.models
+               else f"target {cfg.target}, draft {cfg.draft}")
+    print(f"[calid] starting Ray and the calid app ({serving}) ...", file=sys.stderr)
     _on_signals(stop)
     try:
         try:
@@ -99,6 +126,11 @@ def _print_http(cfg, tag: str, out) -> None:
     from serve_app.app import base_url
 
     url = base_url(cfg)
+    if cfg.models:
+        names = ", ".join(m.name for m in cfg.models)
+        print(f"{tag} models: {names}; gRPC only (the OpenAI HTTP API serves single-model apps); try: calid client "
+              f"\"Say hi\" --model {cfg.models[0].name} --address 127.0.0.1:{cfg.grpc_port}", file=out, flush=True)
+        return
     if url is None:
         print(f"{tag} HTTP API off (--http-port 0)", file=out, flush=True)
         return

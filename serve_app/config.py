@@ -9,7 +9,9 @@ replicas crash-looping.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from calid.decoding.modes import MODES
 from calid.errors import CalidError
@@ -54,6 +56,34 @@ class RouterScaling(BaseModel):
     def _bounds(self):
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
+
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ModelSpec(BaseModel):
+    """One model of a multi-model app (AppConfig.models): what it serves under, its pair, its default mode,
+    its SLO and how its target is split. Unset fields take the app's values."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(description="the id requests name it by (proto and OpenAI `model`)")
+    target: str
+    draft: str | None = None  # a model spec, "self:N", or None: target-only
+    default_mode: str | None = None
+    slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO")
+    target_tp: int | None = Field(None, ge=1, le=64)
+    target_pp: int | None = Field(None, ge=1, le=256)
+    target_num_cpus: float | None = Field(None, ge=0)
+    draft_num_cpus: float | None = Field(None, ge=0)
+    max_active: int | None = Field(None, ge=1)
+    queue_capacity: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _name(self):
+        if not MODEL_NAME.match(self.name):
+            raise ValueError(f"model name {self.name!r}: letters, digits, '.', '_' and '-' only (at most 64)")
         return self
 
 
@@ -142,9 +172,22 @@ class AppConfig(BaseModel):
     route_prefix: str = Field("/", description="the app's HTTP path prefix: the OpenAI base URL is "
                               "http://<host>:<http_port><route_prefix>v1")
     app_name: str = "calid"
+    served_model: str | None = Field(None, description="the id this app serves its target under (default: the "
+                                     "target's preset name or file stem)")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO: requests that meet it "
+                                      "(and slo_tpot_ms) count as attained (calid_slo_requests)")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO")
+    models: list[ModelSpec] = Field(default_factory=list, description="several models in one app (AlpaServe): "
+                                    "each gets its own router, draft and target deployments, and requests name "
+                                    "theirs; empty: the one model of target/draft")
 
     @model_validator(mode="after")
     def _cross_fields(self):
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"models: names must be unique, got {names}")
+        if self.models and self.tls_cert_file is not None:
+            raise ValueError("models: a multi-model app is served without TLS in this version")
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"route_prefix must start with /, got {self.route_prefix!r}")
         if self.dtype not in ("auto", "fp32", "bf16"):
@@ -172,12 +215,36 @@ class AppConfig(BaseModel):
                 parse_self_draft(self.draft)
             except CalidError as e:
                 raise ValueError(str(e)) from None
+        for m in self.models:  # each model's own config must hold (a bad one fails here, not in a replica)
+            try:
+                self.for_model(m)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
         if self.default_mode is not None:
             if self.default_mode not in MODES:
                 raise ValueError(f"default_mode must be one of {', '.join(MODES)}, got {self.default_mode!r}")
             if self.draft is None and self.default_mode not in ("ar", "lookahead"):
                 raise ValueError(f"default_mode {self.default_mode!r} needs a draft model; draft is not set")
         return self
+
+    def for_model(self, spec: ModelSpec) -> "AppConfig":
+        """The single-model config of one model of a multi-model app: the app's settings, the spec's fields
+        over them (validated again)."""
+        fields = {k: v for k, v in spec.model_dump(exclude={"name"}).items() if v is not None}
+        merged = {**self.model_dump(exclude={"models"}), "draft": spec.draft, **fields, "served_model": spec.name}
+        try:
+            return AppConfig(**merged)
+        except ValidationError as e:
+            raise ConfigError(f"model {spec.name!r}: {reasons(e)}") from None
+
+    @property
+    def model_configs(self) -> dict[str, "AppConfig"]:
+        """Served id -> that model's config (one entry for a single-model app)."""
+        if not self.models:
+            from calid.models.source import served_name
+
+            return {self.served_model or served_name(self.target): self}
+        return {m.name: self.for_model(m) for m in self.models}
 
     @property
     def limits(self):
@@ -205,13 +272,23 @@ class AppConfig(BaseModel):
         return cls(**{"target": TEST_MODEL, "draft": "self:16", "kv_budget_mb": 512, **overrides})
 
 
+def reasons(e: ValidationError) -> str:
+    """A validation error on one line: each failed field and why."""
+    def one(err) -> str:
+        where = ".".join(map(str, err["loc"]))
+        msg = err["msg"].removeprefix("Value error, ")
+        return f"{where}: {msg}" if where else msg
+
+    return "; ".join(one(err) for err in e.errors())
+
+
 def load_config(args: dict | AppConfig | None) -> AppConfig:
     if isinstance(args, AppConfig):
         return args
     try:
         return AppConfig(**(args or {}))
-    except ValueError as e:  # pydantic's ValidationError is a ValueError
-        raise ConfigError(f"invalid calid config: {e}") from None
+    except ValidationError as e:
+        raise ConfigError(f"invalid calid config: {reasons(e)}") from None
 
 
 def check_models(cfg: AppConfig) -> dict:
@@ -256,11 +333,33 @@ def check_models(cfg: AppConfig) -> dict:
 
 def check_resources(cfg: AppConfig, cluster: dict[str, float], nodes: list[dict[str, float]] | None = None) -> None:
     """The cluster must hold the minimum replicas of every deployment (``cluster``: ray.cluster_resources()),
-    and, for a TP x PP target, some node must hold a whole pipeline stage (``nodes``: each live node's
-    resources), since a stage's tensor-parallel ranks are packed on one node."""
-    need: dict[str, float] = {"CPU": cfg.router_num_cpus * cfg.router_scaling.min_replicas}
-    for k, v in cfg.router_resources.items():
-        need[k] = v * cfg.router_scaling.min_replicas
+    of every model of a multi-model app together, and, for a TP x PP target, some node must hold a whole
+    pipeline stage (``nodes``: each live node's resources), since a stage's tensor-parallel ranks are packed
+    on one node."""
+    need: dict[str, float] = {}
+    if cfg.models:  # the front
+        _add(need, {"CPU": cfg.router_num_cpus, **cfg.router_resources})
+    for model in cfg.model_configs.values():
+        _add(need, _model_needs(model))
+    missing = [f"{k}: need {v:g}, cluster has {cluster.get(k, 0.0):g}" for k, v in need.items()
+               if v > cluster.get(k, 0.0) + 1e-9]
+    if missing:
+        raise ConfigError("the cluster cannot place the minimum replicas (" + "; ".join(missing) + ")")
+    for model in cfg.model_configs.values():
+        if model.sharded and nodes:
+            _check_stage(model, nodes)
+
+
+def _add(into: dict[str, float], more: dict[str, float]) -> None:
+    for k, v in more.items():
+        into[k] = into.get(k, 0.0) + v
+
+
+def _model_needs(cfg: AppConfig) -> dict[str, float]:
+    """Resources of one model's minimum replicas: routers, targets (with their shard actors), drafts."""
+    need: dict[str, float] = {"CPU": 0.0}
+    _add(need, {k: v * cfg.router_scaling.min_replicas
+                for k, v in {"CPU": cfg.router_num_cpus, **cfg.router_resources}.items()})
     shards = cfg.target_tp * cfg.target_pp if cfg.sharded else 0  # a sharded replica also needs its shard actors
     roles = [(cfg.target_scaling, cfg.target_num_cpus * (1 + shards), cfg.target_num_gpus * max(1, shards),
               {k: v * (1 + shards) for k, v in cfg.target_resources.items()})]
@@ -268,23 +367,18 @@ def check_resources(cfg: AppConfig, cluster: dict[str, float], nodes: list[dict[
         roles.append((cfg.draft_scaling, cfg.draft_num_cpus, 0.0, cfg.draft_resources))
     for scaling, cpus, gpus, custom in roles:
         n = max(1, scaling.min_replicas)
-        need["CPU"] += n * cpus
-        if gpus:
-            need["GPU"] = need.get("GPU", 0.0) + n * gpus
-        for k, v in custom.items():
-            need[k] = need.get(k, 0.0) + n * v
-    missing = [f"{k}: need {v:g}, cluster has {cluster.get(k, 0.0):g}" for k, v in need.items()
-               if v > cluster.get(k, 0.0) + 1e-9]
-    if missing:
-        raise ConfigError("the cluster cannot place the minimum replicas (" + "; ".join(missing) + ")")
-    if cfg.sharded and nodes:
-        stage = {"CPU": cfg.target_tp * cfg.target_num_cpus, "GPU": cfg.target_tp * cfg.target_num_gpus,
-                 **{k: cfg.target_tp * v for k, v in cfg.target_resources.items()}}
-        if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in stage.items() if v) for node in nodes):
-            ask = ", ".join(f"{k}: {v:g}" for k, v in stage.items() if v)
-            raise ConfigError(f"no node can hold a pipeline stage of the target_tp={cfg.target_tp} group ({ask} on one "
-                              "node: a stage's tensor-parallel ranks share a node); use nodes with more GPUs, or "
-                              "lower target_tp and raise target_pp")
+        _add(need, {"CPU": n * cpus, **({"GPU": n * gpus} if gpus else {}), **{k: n * v for k, v in custom.items()}})
+    return need
+
+
+def _check_stage(cfg: AppConfig, nodes: list[dict[str, float]]) -> None:
+    stage = {"CPU": cfg.target_tp * cfg.target_num_cpus, "GPU": cfg.target_tp * cfg.target_num_gpus,
+             **{k: cfg.target_tp * v for k, v in cfg.target_resources.items()}}
+    if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in stage.items() if v) for node in nodes):
+        ask = ", ".join(f"{k}: {v:g}" for k, v in stage.items() if v)
+        raise ConfigError(f"no node can hold a pipeline stage of the target_tp={cfg.target_tp} group ({ask} on one "
+                          "node: a stage's tensor-parallel ranks share a node); use nodes with more GPUs, or "
+                          "lower target_tp and raise target_pp")
 
 
 def check_auth(cfg: AppConfig) -> None:

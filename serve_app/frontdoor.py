@@ -14,6 +14,7 @@ import grpc
 from serve_app.auth import bearer
 
 FRONTENDS = ("grpc", "edge", "http")
+FORWARDED = ("Generate", "ListModels", "Health", "Cancel")  # unary methods a multi-model front forwards
 
 
 @dataclass(frozen=True)
@@ -42,3 +43,22 @@ def set_grpc_status(grpc_context, refused: Refused) -> None:
     if grpc_context is not None:
         grpc_context.set_code(refused.code)
         grpc_context.set_details(refused.message)
+
+
+class ForwardedContext:
+    """Stands in for the gRPC context of a call a multi-model front forwarded to a model's router: the
+    caller's metadata in, the status the router set out (the front sets it on the real context)."""
+
+    def __init__(self, metadata: tuple = ()):
+        self._metadata = tuple(metadata)
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def invocation_metadata(self) -> tuple:
+        return self._metadata
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details

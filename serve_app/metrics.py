@@ -47,6 +47,9 @@ class RouterMetrics:
         self.draft_top1_match = metrics.Gauge("calid_draft_match_rate", "the agreement table (min_agreement's "
                                               "threshold choice): how often the draft's top-1 is the target's, "
                                               "calibration plus what the target has seen")
+        self.slo = metrics.Counter("calid_slo_requests", "finished requests of a model with an SLO "
+                                   "(slo_ttft_ms / slo_tpot_ms), by whether they met it: attainment = met=yes / all",
+                                   tag_keys=("met",))
         self.escalation_batch = metrics.Histogram("calid_escalation_batch_size",
                                                   "requests per router step that needed the target",
                                                   boundaries=COUNTS)
@@ -62,6 +65,10 @@ class RouterMetrics:
         self.ttft.observe(result.ttft_s * 1000, tags=tags)
         if len(result.output_ids) > 1:
             self.tpot.observe((result.total_s - result.ttft_s) * 1000 / (len(result.output_ids) - 1), tags=tags)
+
+    def attainment(self, met: bool | None) -> None:
+        if met is not None:
+            self.slo.inc(tags={"met": "yes" if met else "no"})
 
     def costs(self, verify, draft, replicas: dict | None = None) -> None:
         """Export the cost model (calid.planning.CostTable of each role, and of each target replica) at a few
@@ -88,3 +95,14 @@ class WorkerMetrics:
         self.batch = metrics.Histogram(f"calid_{role}_batch_size", f"requests per {role} worker batch "
                                        "(all router calls merged into one model pass)", boundaries=COUNTS)
         self.latency = metrics.Histogram(f"calid_{role}_call_ms", f"{role} worker batch latency", boundaries=LATENCY_MS)
+
+
+def meets_slo(result: GenerationResult, ttft_ms: float | None, tpot_ms: float | None) -> bool | None:
+    """Whether a finished request met its model's SLO (None: the model has none). TPOT is the mean time per
+    output token after the first."""
+    if ttft_ms is None and tpot_ms is None:
+        return None
+    if ttft_ms is not None and result.ttft_s * 1000 > ttft_ms:
+        return False
+    n = len(result.output_ids)
+    return tpot_ms is None or n < 2 or (result.total_s - result.ttft_s) * 1000 / (n - 1) <= tpot_ms

@@ -45,11 +45,11 @@ from calid.v1 import calid_pb2 as pb
 from serve_app import openai_http, protocol
 from serve_app.auth import AuthConfigError, allowed, load_keys
 from serve_app.calls import Failure, RequestRefused, RoundEnd, WorkerCalls, WorkersUnavailable
-from serve_app.frontdoor import FRONTENDS, Caller, Refused, grpc_caller, set_grpc_status
+from serve_app.frontdoor import FORWARDED, FRONTENDS, Caller, ForwardedContext, Refused, grpc_caller, set_grpc_status
 from serve_app.outputs import IDLE, outputs
 from serve_app.config import ConfigError, load_config
 from serve_app.edge import collaborate
-from serve_app.metrics import RouterMetrics
+from serve_app.metrics import RouterMetrics, meets_slo
 
 log = logging.getLogger("ray.serve")
 COST_EXPORT_STEPS = 32  # the cost model goes to the metrics every this many steps
@@ -90,7 +90,7 @@ class Router:
         model_cfg = ModelConfig.from_dir(folder)
         self.tokenizer = load_tokenizer(folder)
         self.vocab_size, self.max_position = model_cfg.vocab_size, model_cfg.max_position
-        self.model_id = served_name(self.cfg.target)
+        self.model_id = self.cfg.served_model or served_name(self.cfg.target)
         self.started = time.time()
         if backend == "llamacpp":  # a llama.cpp slot holds at most this many tokens of one sequence
             self.max_position = slot_cells(model_cfg, self.cfg.kv_budget_mb and self.cfg.kv_budget_mb * 2**20)
@@ -113,6 +113,7 @@ class Router:
         self._rates = RateWindow()
         self._metrics = RouterMetrics()
         self._steps = 0
+        self._slo = {True: 0, False: 0}  # finished requests that met / missed the model's SLO
         self._step_s = 0.0  # time in steps (the rest of it is spent in worker calls: stats()["call_s"])
         self._max_escalation = 0
         self._calibrated = False
@@ -171,7 +172,8 @@ class Router:
             set_grpc_status(grpc_context, e)
             return pb.ListModelsResponse()
         models = [pb.ModelInfo(role="target", name=self.cfg.target, vocab_size=self.vocab_size,
-                               max_position=self.max_position)]
+                               max_position=self.max_position, served_as=self.model_id, modes=self.modes(),
+                               default_mode=self.orch.default_decode.mode)]
         if self.draft is not None:
             models.append(pb.ModelInfo(role="draft", name=self.cfg.draft, vocab_size=self.vocab_size,
                                        max_position=self.max_position))
@@ -190,6 +192,27 @@ class Router:
         for r in found:
             self._close(r)
         return pb.CancelResponse(cancelled=bool(found))
+
+    # ---- calls a multi-model front forwards (serve_app.models_front) ----------------------
+
+    async def forwarded(self, method: str, request, metadata: tuple) -> tuple:
+        """Generate, ListModels, Health or Cancel as the front received it (``metadata``: the caller's gRPC
+        metadata): (reply, status code or None, details)."""
+        if method not in FORWARDED:
+            raise ValueError(f"not a forwarded method: {method}")
+        ctx = ForwardedContext(metadata)
+        reply = await getattr(self, method)(request, ctx)
+        return reply, ctx.code, ctx.details
+
+    async def forwarded_stream(self, request: pb.GenerateRequest, metadata: tuple):
+        """GenerateStream as the front received it: its chunks, then a (status code, details) pair if the
+        stream ends refused or failed."""
+        ctx = ForwardedContext(metadata)
+        try:
+            async for chunk in self.GenerateStream(request, ctx):
+                yield chunk
+        except RequestRefused:
+            yield ctx.code, ctx.details
 
     # ---- the OpenAI-compatible HTTP front-end (Serve's HTTP proxy calls this) ---------------------
 
@@ -218,7 +241,8 @@ class Router:
                 "draft_available": self.orch.draft_available, "planned": dict(self.orch.planned),
                 "agreement": {"audited_tokens": self.orch.audited[1], "agreed_tokens": self.orch.audited[0],
                               "draft_top1_match": self.orch.agreement.agreement_rate,
-                              "calibration": str(self.agreement_calibration or "")}}
+                              "calibration": str(self.agreement_calibration or "")},
+                "model": self.model_id, "slo": {"met": self._slo[True], "missed": self._slo[False]}}
 
     async def drain(self) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not
@@ -502,6 +526,10 @@ class Router:
                 if e.result is not None:
                     try:
                         self._metrics.finished(e.result, r.mode, r.frontend)
+                        met = meets_slo(e.result, self.cfg.slo_ttft_ms, self.cfg.slo_tpot_ms)
+                        self._metrics.attainment(met)
+                        if met is not None:
+                            self._slo[met] += 1
                     except Exception:  # metrics must never fail a request
                         log.exception("calid router: recording metrics failed")
 

@@ -11,15 +11,15 @@ default) and a request id (generated when not given). Calls that fail with
 UNAVAILABLE are retried with exponential backoff; a stream is retried only
 before its first chunk. Failures raise the typed exceptions of
 calid.client.errors (InvalidArgument, ResourceExhausted, DeadlineExceeded,
-Cancelled, Unavailable, Unauthenticated).
+Cancelled, Unavailable, Unauthenticated, NotFound).
 
 A server that requires API keys takes ``Client(..., api_key=KEY)`` (default:
 the CALID_API_KEY environment variable); ``tls=True`` or ``tls="ca.pem"``
 opens a TLS channel.
 """
-from calid.client.errors import (CalidAPIError, Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted,
-                                 Unauthenticated, Unavailable)
+from calid.client.errors import (CalidAPIError, Cancelled, DeadlineExceeded, InvalidArgument, NotFound,
+                                 ResourceExhausted, Unauthenticated, Unavailable)
 from calid.client.sdk import AsyncClient, Chunk, Client, Completion
 
 __all__ = ["Client", "AsyncClient", "Completion", "Chunk", "CalidAPIError", "InvalidArgument", "ResourceExhausted",
-           "DeadlineExceeded", "Cancelled", "Unavailable", "Unauthenticated"]
+           "DeadlineExceeded", "Cancelled", "Unavailable", "Unauthenticated", "NotFound"]

@@ -11,6 +11,8 @@ def add_parser(sub) -> None:
     p.add_argument("prompt", nargs="?", help="the prompt (omit with --models or --health)")
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--app", default="calid", help="Serve application name (default calid)")
+    p.add_argument("--model", default="", help="the served model (a multi-model server: one listed by --models; "
+                   "default: the server's first)")
     p.add_argument("--mode", default="", choices=("",) + MODES, help="decoding mode (default: the server's)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=None)
@@ -60,13 +62,15 @@ def _run(args) -> int:
         if args.models:
             m = c.list_models()
             for info in m.models:
-                print(f"{info.role:7} {info.name}  vocab {info.vocab_size}  context {info.max_position}")
+                served = (f"  served as {info.served_as!r}, modes {', '.join(info.modes)} (default {info.default_mode})"
+                          if info.served_as else "")
+                print(f"{info.role:7} {info.name}  vocab {info.vocab_size}  context {info.max_position}{served}")
             print(f"modes: {', '.join(m.modes)} (default {m.default_mode})")
             return 0
         if not args.prompt or not args.prompt.strip():
             raise CalidError("prompt is empty")
         stats = {}
-        for chunk in c.stream(args.prompt, mode=args.mode, max_new_tokens=args.max_new_tokens,
+        for chunk in c.stream(args.prompt, model=args.model, mode=args.mode, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                               threshold=args.threshold, gamma=args.gamma, stop=args.stop):
             sys.stdout.write(chunk.text)

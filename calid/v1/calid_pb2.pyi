@@ -227,16 +227,22 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("role", "name", "vocab_size", "max_position")
+    __slots__ = ("role", "name", "vocab_size", "max_position", "served_as", "modes", "default_mode")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_FIELD_NUMBER: _ClassVar[int]
+    SERVED_AS_FIELD_NUMBER: _ClassVar[int]
+    MODES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     role: str
     name: str
     vocab_size: int
     max_position: int
-    def __init__(self, role: _Optional[str] = ..., name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ...) -> None: ...
+    served_as: str
+    modes: _containers.RepeatedScalarFieldContainer[str]
+    default_mode: str
+    def __init__(self, role: _Optional[str] = ..., name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_position: _Optional[int] = ..., served_as: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., default_mode: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "modes", "default_mode")

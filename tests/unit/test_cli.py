@@ -25,6 +25,8 @@ from calid.cli import main
         (["bench", "quality", "--batch", "0"], "--batch and --max-new-tokens must be >= 1"),
         (["bench", "quality", "--only", "filter t=0.33"], "--only: unknown configuration"),
         (["bench", "quality", "--budgets", "0.9,2"], "min_agreement must be in (0, 1]"),
+        (["serve", "--models", "a=+self:4"], "--models: 'a=+self:4' names no target model"),
+        (["serve", "--models", "a=smollm2-135m-instruct,a=smollm2-135m-instruct"], "names must be unique"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):

@@ -72,3 +72,83 @@ def test_a_pipeline_stage_must_fit_on_one_node_and_shards_carry_the_targets_reso
         check_resources(cfg, {k: v for k, v in total.items() if k != "head_node"})
     with pytest.raises(ConfigError, match="target_node: need 0.07"):  # the replica and its 6 shards ask for it
         check_resources(cfg, {**total, "target_node": 0.05})
+
+
+# ---- several models in one app ------------------------------------------------------------
+
+MODELS = [{"name": "big", "target": "qwen2.5-coder-1.5b-instruct", "draft": "qwen2.5-coder-0.5b-instruct",
+           "slo_ttft_ms": 2000, "target_num_cpus": 1.0},
+          {"name": "small", "target": "smollm2-135m-instruct", "default_mode": "lookahead", "max_active": 4}]
+
+
+def test_each_model_gets_the_apps_settings_under_its_own():
+    cfg = AppConfig(models=MODELS, max_active=8, kv_budget_mb=1024)
+    per = cfg.model_configs
+    assert list(per) == ["big", "small"]
+    big, small = per["big"], per["small"]
+    assert (big.target, big.draft, big.served_model, big.slo_ttft_ms, big.target_num_cpus, big.max_active) == \
+        ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "big", 2000, 1.0, 8)
+    assert (small.draft, small.default_mode, small.max_active, small.kv_budget_mb) == (None, "lookahead", 4, 1024)
+    assert not big.models and not small.models
+    single = AppConfig(target="smollm2-135m-instruct").model_configs  # a single-model app: its served name
+    assert list(single) == ["smollm2-135m-instruct"]
+
+
+@pytest.mark.parametrize("models, message", [
+    ([MODELS[0], {**MODELS[1], "name": "big"}], "names must be unique"),
+    ([{"name": "a b", "target": "x"}], "letters, digits"),
+    ([{"name": "a", "target": "smollm2-135m-instruct", "default_mode": "filter"}], "model 'a'.*needs a draft"),
+    ([{"name": "a", "target": "x", "target_tp": 0}], "target_tp"),
+    ([{"name": "a", "target": "x", "slo": 3}], "slo"),
+])
+def test_a_bad_model_is_refused_naming_it(models, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"models": models})
+
+
+def test_the_cluster_must_hold_every_models_replicas_together():
+    cfg = AppConfig(models=MODELS)  # front 0.1 + big (router 0.1, target 1.0, draft 0.5) + small (0.1 + 0.5)
+    check_resources(cfg, {"CPU": 2.3})
+    with pytest.raises(ConfigError, match="CPU: need 2.3, cluster has 2.2"):
+        check_resources(cfg, {"CPU": 2.2})
+
+
+def test_serve_models_flag():
+    from serve_app.cli import parse_models
+
+    assert parse_models("qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct, smol=smollm2-135m-instruct+self:16,"
+                        "/m/tiny.gguf") == [
+        {"name": "qwen2.5-coder-1.5b-instruct", "target": "qwen2.5-coder-1.5b-instruct",
+         "draft": "qwen2.5-coder-0.5b-instruct"},
+        {"name": "smol", "target": "smollm2-135m-instruct", "draft": "self:16"},
+        {"name": "tiny", "target": "/m/tiny.gguf", "draft": None}]
+    for bad in ("", " , ", "x=+self:4"):
+        with pytest.raises(ConfigError, match="--models"):
+            parse_models(bad)
+
+
+def test_slo_attainment_of_a_finished_request():
+    from calid.generation import GenerationResult
+    from serve_app.metrics import meets_slo
+
+    def result(ttft_s, total_s, n):
+        r = GenerationResult.__new__(GenerationResult)
+        r.ttft_s, r.total_s, r.output_ids = ttft_s, total_s, list(range(n))
+        return r
+
+    fast = result(0.5, 2.5, 21)  # TTFT 500 ms, then 100 ms per token
+    assert meets_slo(fast, None, None) is None
+    assert meets_slo(fast, 500, 100) and not meets_slo(fast, 499, None) and not meets_slo(fast, None, 99)
+    assert meets_slo(result(0.5, 0.5, 1), 600, 1)  # one token: no TPOT to miss
+
+
+def test_a_forwarded_call_carries_the_callers_key_and_brings_back_its_status():
+    import grpc
+
+    from serve_app.frontdoor import ForwardedContext, grpc_caller
+
+    ctx = ForwardedContext((("authorization", "Bearer k1"), ("application", "calid")))
+    assert grpc_caller(ctx).key == "k1"
+    ctx.set_code(grpc.StatusCode.NOT_FOUND)
+    ctx.set_details("no such model")
+    assert (ctx.code, ctx.details) == (grpc.StatusCode.NOT_FOUND, "no such model")

@@ -1,0 +1,108 @@
+"""Several models in one app (AppConfig.models) on the session's real Ray, over real gRPC: requests reach the
+model they name, an unknown name is NOT_FOUND, ListModels lists every model, and one model's full queue
+refuses its own requests only."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import httpx
+import pytest
+
+from calid.client import Client, NotFound, ResourceExhausted
+from calid.models.presets import TEST_MODEL
+from serve_app.config import AppConfig
+from serve_helpers import deploy, handle, wait_until
+
+pytestmark = [pytest.mark.ray, pytest.mark.model]
+
+APP = "multi"
+
+
+@pytest.fixture(scope="module")
+def multi_app(serve_port):
+    cfg = AppConfig(app_name=APP, grpc_port=serve_port, kv_budget_mb=256, dtype="fp32", draft=None, models=[
+        {"name": "smol", "target": TEST_MODEL, "draft": "self:16", "default_mode": "speculative"},
+        {"name": "plain", "target": TEST_MODEL, "slo_ttft_ms": 600_000, "slo_tpot_ms": 60_000},
+        {"name": "busy", "target": TEST_MODEL, "max_active": 1, "queue_capacity": 0},
+    ])
+    return deploy(cfg)
+
+
+@pytest.fixture()
+def mclient(multi_app):
+    with Client(f"127.0.0.1:{multi_app.grpc_port}", app=APP, timeout=300, retries=0) as c:
+        yield c
+
+
+def _stats(model: str) -> dict:
+    return handle(APP, f"router-{model}").stats.remote().result()
+
+
+def test_each_request_reaches_the_model_it_names(mclient):
+    listed = mclient.list_models()
+    targets = {m.served_as: m for m in listed.models if m.role == "target"}
+    assert set(targets) == {"smol", "plain", "busy"}
+    assert targets["smol"].default_mode == "speculative" and "speculative" in targets["smol"].modes
+    assert targets["plain"].default_mode == "ar" and "speculative" not in targets["plain"].modes
+    assert [m.role for m in listed.models].count("draft") == 1
+    before = {m: _stats(m)["steps"] for m in ("smol", "plain")}
+    out = mclient.generate("Name a color.", model="smol", max_new_tokens=8)
+    assert out.stats["mode"] == "speculative" and len(out.token_ids) > 0
+    streamed = list(mclient.stream("Name a color.", model="plain", max_new_tokens=8))
+    assert streamed[-1].stats["mode"] == "ar" and "".join(c.text for c in streamed)
+    after = {m: _stats(m) for m in ("smol", "plain")}
+    assert all(after[m]["steps"] > before[m] for m in before)
+    assert after["plain"]["slo"]["met"] >= 1 and after["plain"]["model"] == "plain"
+    assert after["smol"]["slo"] == {"met": 0, "missed": 0}  # no SLO set for it
+    default = mclient.generate("Name a color.", max_new_tokens=4)  # no model named: the first listed
+    assert default.stats["mode"] == "speculative"
+
+
+def test_an_unknown_model_is_not_found(mclient):
+    with pytest.raises(NotFound, match="nope.*served: smol, plain, busy"):
+        mclient.generate("hi", model="nope", max_new_tokens=4)
+    with pytest.raises(NotFound):
+        list(mclient.stream("hi", model="nope", max_new_tokens=4))
+
+
+def test_invalid_requests_keep_their_status_through_the_front(mclient):
+    from calid.client import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="needs a draft model"):
+        mclient.generate("hi", model="plain", max_new_tokens=4, min_agreement=0.9)  # plain has no draft
+
+
+def test_one_models_full_queue_refuses_only_its_own_requests(mclient):
+    done = {}
+    long = threading.Thread(target=lambda: done.setdefault(
+        "out", mclient.generate("Count from one to one hundred.", model="busy", max_new_tokens=160,
+                                ignore_eos=True)))
+    long.start()
+    try:
+        assert wait_until(lambda: _stats("busy")["active"] == 1, timeout_s=60)
+        with pytest.raises(ResourceExhausted, match="admission queue is full"):
+            mclient.generate("hi", model="busy", max_new_tokens=4)
+        other = mclient.generate("Name a color.", model="plain", max_new_tokens=6)  # another model still serves
+        assert len(other.token_ids) > 0
+    finally:
+        long.join(timeout=300)
+    assert len(done["out"].token_ids) == 160
+
+
+def test_health_sums_the_models_and_http_says_to_use_grpc(mclient, http_port):
+    h = mclient.health()
+    assert h.serving and h.queue_capacity == 64 + 64 + 0
+    r = httpx.post(f"http://127.0.0.1:{http_port}/{APP}/v1/chat/completions",
+                   json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 501 and "gRPC" in r.json()["error"]["message"]
+
+
+def test_collaborate_is_refused_with_unimplemented(multi_app):
+    from calid.v1 import calid_pb2 as pb, calid_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{multi_app.grpc_port}") as ch:
+        stub = calid_pb2_grpc.CalidStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Collaborate(iter([pb.CollaborateRequest()]), metadata=(("application", APP),), timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
