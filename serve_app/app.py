@@ -38,7 +38,9 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
                             [n["Resources"] for n in ray.nodes() if n["Alive"]])
     if not cfg.models:
         return _model_app(cfg)
-    routers = {name: _model_app(c, suffix=f"-{name}") for name, c in per_model.items()}
+    routers: dict[str, list] = {}  # served name -> its routers (one per group of its placement)
+    for key, c in per_model.items():
+        routers.setdefault(c.served_model, []).append(_model_app(c, suffix=f"-{key}"))
     return ModelFront.options(ray_actor_options={"num_cpus": cfg.router_num_cpus,
                                                  "resources": cfg.router_resources}).bind(cfg.model_dump(), routers)
 

@@ -79,11 +79,18 @@ class ModelSpec(BaseModel):
     draft_num_cpus: float | None = Field(None, ge=0)
     max_active: int | None = Field(None, ge=1)
     queue_capacity: int | None = Field(None, ge=0)
+    placement: list[list[int]] | None = Field(None, description="the device groups hosting this model (a "
+                                              "placement plan's groups; on CPU, lists of cores): one router and "
+                                              "target per group, its target pinned to the group's cores; requests "
+                                              "for the model go to the one with the fewest in flight. None: one, "
+                                              "unpinned")
 
     @model_validator(mode="after")
     def _name(self):
         if not MODEL_NAME.match(self.name):
             raise ValueError(f"model name {self.name!r}: letters, digits, '.', '_' and '-' only (at most 64)")
+        if self.placement is not None and (not self.placement or any(not g or min(g) < 0 for g in self.placement)):
+            raise ValueError(f"model {self.name!r}: placement takes one or more non-empty lists of core ids >= 0")
         return self
 
 
@@ -172,6 +179,8 @@ class AppConfig(BaseModel):
     route_prefix: str = Field("/", description="the app's HTTP path prefix: the OpenAI base URL is "
                               "http://<host>:<http_port><route_prefix>v1")
     app_name: str = "calid"
+    cpu_affinity: list[int] | None = Field(None, description="cores the target replicas are pinned to (set per "
+                                           "group by a multi-model placement); None: any")
     served_model: str | None = Field(None, description="the id this app serves its target under (default: the "
                                      "target's preset name or file stem)")
     slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO: requests that meet it "
@@ -227,11 +236,13 @@ class AppConfig(BaseModel):
                 raise ValueError(f"default_mode {self.default_mode!r} needs a draft model; draft is not set")
         return self
 
-    def for_model(self, spec: ModelSpec) -> "AppConfig":
+    def for_model(self, spec: ModelSpec, cores: list[int] | None = None) -> "AppConfig":
         """The single-model config of one model of a multi-model app: the app's settings, the spec's fields
-        over them (validated again)."""
-        fields = {k: v for k, v in spec.model_dump(exclude={"name"}).items() if v is not None}
+        over them (validated again); ``cores``: the group of its placement this one runs on."""
+        fields = {k: v for k, v in spec.model_dump(exclude={"name", "placement"}).items() if v is not None}
         merged = {**self.model_dump(exclude={"models"}), "draft": spec.draft, **fields, "served_model": spec.name}
+        if cores is not None:
+            merged.update(cpu_affinity=sorted(cores), worker_threads=len(cores))
         try:
             return AppConfig(**merged)
         except ValidationError as e:
@@ -239,12 +250,20 @@ class AppConfig(BaseModel):
 
     @property
     def model_configs(self) -> dict[str, "AppConfig"]:
-        """Served id -> that model's config (one entry for a single-model app)."""
+        """Deployment suffix -> one model replica group's config (``served_model``: the name requests use):
+        ``<name>`` for a model without a placement, ``<name>@<i>`` for the i-th group of its placement. A
+        single-model app has one entry, its served name."""
         if not self.models:
             from calid.models.source import served_name
 
             return {self.served_model or served_name(self.target): self}
-        return {m.name: self.for_model(m) for m in self.models}
+        out = {}
+        for m in self.models:
+            if m.placement is None:
+                out[m.name] = self.for_model(m)
+            else:
+                out.update({f"{m.name}@{i}": self.for_model(m, g) for i, g in enumerate(m.placement)})
+        return out
 
     @property
     def limits(self):

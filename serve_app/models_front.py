@@ -35,17 +35,23 @@ def _metadata(grpc_context) -> tuple:
 class ModelFront:
     def __init__(self, config, routers: dict):
         self.cfg = load_config(config)
-        self.routers = routers  # served id -> that model's router handle, in the config's order
+        self.routers = [r for group in routers.values() for r in group]  # every router once
+        # served id -> its routers' indexes (one per group of its placement), in the config's order
+        sizes = [len(group) for group in routers.values()]
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        self.models = {name: list(range(a, a + n)) for name, a, n in zip(routers, starts, sizes)}
         self.default = next(iter(routers))
+        self._in_flight = [0] * len(self.routers)  # Generate / GenerateStream calls at each router now
 
-    def _router(self, model: str, grpc_context):
-        """The named model's router (empty: the first model); NOT_FOUND (set on the context) if none."""
-        name = model or self.default
-        router = self.routers.get(name)
-        if router is None:
+    def _router(self, model: str, grpc_context) -> int | None:
+        """The named model's router with the fewest calls in flight (empty name: the first model), by its
+        index; None, with NOT_FOUND set on the context, for a model not served here."""
+        group = self.models.get(model or self.default)
+        if group is None:
             set_grpc_status(grpc_context, Refused(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here "
-                                                  f"(served: {', '.join(self.routers)})"))
-        return router
+                                                  f"(served: {', '.join(self.models)})"))
+            return None
+        return min(group, key=lambda i: (self._in_flight[i], i))
 
     async def _forward(self, router, method: str, request, grpc_context, empty):
         reply, code, details = await router.forwarded.remote(method, request, _metadata(grpc_context))
@@ -57,26 +63,35 @@ class ModelFront:
     # ---- gRPC methods -------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
-        router = self._router(request.model, grpc_context)
-        if router is None:
+        i = self._router(request.model, grpc_context)
+        if i is None:
             return pb.GenerateResponse()
-        return await self._forward(router, "Generate", request, grpc_context, pb.GenerateResponse())
+        self._in_flight[i] += 1
+        try:
+            return await self._forward(self.routers[i], "Generate", request, grpc_context, pb.GenerateResponse())
+        finally:
+            self._in_flight[i] -= 1
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
-        router = self._router(request.model, grpc_context)
-        if router is None:
+        i = self._router(request.model, grpc_context)
+        if i is None:
             raise RequestRefused(f"model {request.model!r} is not served here")
-        async for item in router.options(stream=True).forwarded_stream.remote(request, _metadata(grpc_context)):
-            if isinstance(item, tuple):  # the stream ended refused or failed: (code, details)
-                set_grpc_status(grpc_context, Refused(*item))
-                raise RequestRefused(item[1])
-            yield item
+        self._in_flight[i] += 1
+        try:
+            stream = self.routers[i].options(stream=True).forwarded_stream.remote(request, _metadata(grpc_context))
+            async for item in stream:
+                if isinstance(item, tuple):  # the stream ended refused or failed: (code, details)
+                    set_grpc_status(grpc_context, Refused(*item))
+                    raise RequestRefused(item[1])
+                yield item
+        finally:
+            self._in_flight[i] -= 1
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
         """Every model's target (served_as: the name requests use) and draft, the first model's modes at the
         top (the model a request without a name gets)."""
-        replies = await asyncio.gather(*[self._forward(r, "ListModels", request, grpc_context, None)
-                                         for r in self.routers.values()])
+        replies = await asyncio.gather(*[self._forward(self.routers[group[0]], "ListModels", request, grpc_context,
+                                                       None) for group in self.models.values()])
         if any(r is None for r in replies):  # refused (e.g. no API key): the status is set
             return pb.ListModelsResponse()
         return pb.ListModelsResponse(models=[m for r in replies for m in r.models], modes=replies[0].modes,
@@ -91,7 +106,7 @@ class ModelFront:
             except Exception:  # a router that cannot answer is not serving
                 return pb.HealthResponse(serving=False)
 
-        replies = await asyncio.gather(*[one(r) for r in self.routers.values()])
+        replies = await asyncio.gather(*[one(r) for r in self.routers])
         return pb.HealthResponse(serving=all(r.serving for r in replies),
                                  active_requests=sum(r.active_requests for r in replies),
                                  queued_requests=sum(r.queued_requests for r in replies),
@@ -100,7 +115,7 @@ class ModelFront:
     async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
         """The request id is the client's: ask every model's router (only the owner's request is freed)."""
         replies = await asyncio.gather(*[self._forward(r, "Cancel", request, grpc_context, None)
-                                         for r in self.routers.values()])
+                                         for r in self.routers])
         return pb.CancelResponse(cancelled=any(r is not None and r.cancelled for r in replies))
 
     async def Collaborate(self, request_stream, grpc_context=None):
@@ -116,14 +131,14 @@ class ModelFront:
 
         return JSONResponse({"error": {"message": "the OpenAI HTTP API is served by single-model apps in this "
                                        "version; call this multi-model app over gRPC, naming the model "
-                                       f"({', '.join(self.routers)})", "type": "invalid_request_error",
+                                       f"({', '.join(self.models)})", "type": "invalid_request_error",
                                        "code": "multi_model_http"}}, status_code=501)
 
     async def stats(self) -> dict:
-        """Each model's router stats, and the request count summed (serve_app.cli.drain polls it)."""
-        per = dict(zip(self.routers, await asyncio.gather(*[r.stats.remote() for r in self.routers.values()])))
-        return {"requests": sum(s["requests"] for s in per.values()), "models": per}
+        """Every router's stats, and the request count summed (serve_app.cli.drain polls it)."""
+        per = await asyncio.gather(*[r.stats.remote() for r in self.routers])
+        return {"requests": sum(s["requests"] for s in per), "routers": per}
 
     async def drain(self) -> dict:
-        per = await asyncio.gather(*[r.drain.remote() for r in self.routers.values()])
+        per = await asyncio.gather(*[r.drain.remote() for r in self.routers])
         return {"requests": sum(d["requests"] for d in per)}

@@ -24,7 +24,7 @@ from calid.backends import open_draft, open_model, pick_dtype
 from calid.workers import DraftWorker, TargetWorker
 from serve_app.autoscaling import DEMAND, PENDING, QUEUE
 from serve_app.calls import Reply, expand_all
-from serve_app.config import load_config
+from serve_app.config import ConfigError, load_config
 from serve_app.metrics import WorkerMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -74,11 +74,26 @@ class _Batcher:
             self._busy = False
 
 
+def pin_process(cores: list[int]) -> None:
+    """Run every thread of this process (and those it starts later) on ``cores`` only: a placement's device
+    on CPU. Cores this node does not have: ConfigError."""
+    have = os.sched_getaffinity(0)
+    if not set(cores) <= have:
+        raise ConfigError(f"cpu_affinity {sorted(cores)}: this node's cores are {sorted(have)}")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), set(cores))
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            pass
+
+
 class _WorkerBase:
     role = ""
 
     def _setup(self, config) -> None:
         self.cfg = load_config(config)
+        if self.role == "target" and self.cfg.cpu_affinity:
+            pin_process(self.cfg.cpu_affinity)
         torch.set_num_threads(self.cfg.worker_threads or os.cpu_count() or 1)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"calid-{self.role}")
         self._reports: dict[str, tuple[float, float, float]] = {}  # router -> (time, demand, queued requests)
@@ -187,7 +202,7 @@ class _WorkerBase:
         """Counters for tests and the demo: batches run, the largest batch, live KV caches."""
         cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
         return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending,
-                "busy_s": self._busy_s}
+                "busy_s": self._busy_s, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
 
     def _cached(self) -> int:
         return self._runner.cached_count()

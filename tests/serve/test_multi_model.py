@@ -3,6 +3,7 @@ model they name, an unknown name is NOT_FOUND, ListModels lists every model, and
 refuses its own requests only."""
 from __future__ import annotations
 
+import os
 import threading
 
 import grpc
@@ -17,13 +18,15 @@ from serve_helpers import deploy, handle, wait_until
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 
 APP = "multi"
+CORE = min(os.sched_getaffinity(0))
 
 
 @pytest.fixture(scope="module")
 def multi_app(serve_port):
     cfg = AppConfig(app_name=APP, grpc_port=serve_port, kv_budget_mb=256, dtype="fp32", draft=None, models=[
         {"name": "smol", "target": TEST_MODEL, "draft": "self:16", "default_mode": "speculative"},
-        {"name": "plain", "target": TEST_MODEL, "slo_ttft_ms": 600_000, "slo_tpot_ms": 60_000},
+        {"name": "plain", "target": TEST_MODEL, "slo_ttft_ms": 600_000, "slo_tpot_ms": 60_000,
+         "placement": [[CORE], [CORE]]},  # two groups (on one core: CI machines may have two)
         {"name": "busy", "target": TEST_MODEL, "max_active": 1, "queue_capacity": 0},
     ])
     return deploy(cfg)
@@ -36,6 +39,10 @@ def mclient(multi_app):
 
 
 def _stats(model: str) -> dict:
+    if model == "plain":  # its two routers together
+        both = [handle(APP, f"router-plain@{i}").stats.remote().result() for i in (0, 1)]
+        return {"steps": sum(s["steps"] for s in both), "model": both[0]["model"],
+                "slo": {k: sum(s["slo"][k] for s in both) for k in ("met", "missed")}}
     return handle(APP, f"router-{model}").stats.remote().result()
 
 
@@ -92,7 +99,7 @@ def test_one_models_full_queue_refuses_only_its_own_requests(mclient):
 
 def test_health_sums_the_models_and_http_says_to_use_grpc(mclient, http_port):
     h = mclient.health()
-    assert h.serving and h.queue_capacity == 64 + 64 + 0
+    assert h.serving and h.queue_capacity == 64 + 2 * 64 + 0  # smol, plain's two routers, busy
     r = httpx.post(f"http://127.0.0.1:{http_port}/{APP}/v1/chat/completions",
                    json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
     assert r.status_code == 501 and "gRPC" in r.json()["error"]["message"]
@@ -106,3 +113,17 @@ def test_collaborate_is_refused_with_unimplemented(multi_app):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Collaborate(iter([pb.CollaborateRequest()]), metadata=(("application", APP),), timeout=30))
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_model_on_two_groups_spreads_its_requests_and_each_target_is_pinned(mclient):
+    before = [handle(APP, f"router-plain@{i}").stats.remote().result()["steps"] for i in (0, 1)]
+    threads = [threading.Thread(target=mclient.generate, args=("Count to ten.",),
+                                kwargs={"model": "plain", "max_new_tokens": 24, "ignore_eos": True}) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    after = [handle(APP, f"router-plain@{i}").stats.remote().result()["steps"] for i in (0, 1)]
+    assert all(a > b for a, b in zip(after, before)), f"steps before {before}, after {after}"
+    for i in (0, 1):
+        assert handle(APP, f"target-plain@{i}").stats.remote().result()["cores"] == [CORE]

@@ -152,3 +152,14 @@ def test_a_forwarded_call_carries_the_callers_key_and_brings_back_its_status():
     ctx.set_code(grpc.StatusCode.NOT_FOUND)
     ctx.set_details("no such model")
     assert (ctx.code, ctx.details) == (grpc.StatusCode.NOT_FOUND, "no such model")
+
+
+def test_a_model_placed_on_several_groups_gets_a_pinned_replica_group_each():
+    cfg = AppConfig(models=[{**MODELS[1], "placement": [[0], [1, 2]]}, MODELS[0]])
+    per = cfg.model_configs
+    assert list(per) == ["small@0", "small@1", "big"]
+    assert [(c.served_model, c.cpu_affinity, c.worker_threads) for c in per.values()] == \
+        [("small", [0], 1), ("small", [1, 2], 2), ("big", None, None)]
+    for bad in ([], [[]], [[-1]]):
+        with pytest.raises(ConfigError, match="placement takes one or more"):
+            load_config({"models": [{**MODELS[1], "placement": bad}]})
