@@ -222,14 +222,15 @@ async def _warm(address: str, app: str, modes: list[str], prompt: str) -> None:
             await c.generate(prompt, max_new_tokens=4, ignore_eos=True, mode=mode)
 
 
-async def _one(c, prompt: str, mode: str, max_new: int):
+async def _one(c, prompt: str, mode: str, max_new: int, **kw):
+    """One streamed request as the client sees it (``kw``: more request fields, e.g. model, raw_prompt)."""
     from calid.bench.load import Outcome
 
     sent = time.perf_counter()
     first = last = None
     tokens = 0
     try:
-        async for chunk in c.stream(prompt, max_new_tokens=max_new, ignore_eos=True, mode=mode):
+        async for chunk in c.stream(prompt, max_new_tokens=max_new, ignore_eos=True, mode=mode, **kw):
             if chunk.token_ids:
                 last = time.perf_counter()
                 first = first or last

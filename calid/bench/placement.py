@@ -9,7 +9,11 @@
               (calid.placement.profile.scaled: --copies copies of each model, TP/PP costs extended by
               doubling), plans with alpaserve, replication and dedicated, and prints each plan's SLO
               attainment; --plot sweeps rate, CV and SLO scale (the AlpaServe paper's three views).
-Without --simulate there is nothing to replay live yet: the multi-model app is not built (it says so).
+  (neither)   live: plans for this machine's cores from the measured profile (the models as measured, one
+              copy each), serves each plan (--live-plans) as a multi-model calid app with every model's
+              replicas pinned to their group's cores, replays --duration seconds of the same arrivals through
+              gRPC, and prints measured attainment beside the simulator's for the same requests
+              (serve_app.placement_live).
 """
 from __future__ import annotations
 
@@ -33,8 +37,10 @@ def add_parser(sub) -> None:
     p.add_argument("--models", default=DEFAULT_MODELS, help="presets to profile (comma-separated)")
     p.add_argument("--profile-file", default=None, help="profile JSON (default CALID_HOME/placement/profile.json)")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV (lengths, and gaps without --cv)")
-    p.add_argument("--devices", type=int, default=16)
-    p.add_argument("--copies", type=int, default=4, help="independent copies of each profiled model (default 4)")
+    p.add_argument("--devices", type=int, default=None, help="devices (default 16 simulated; live: this "
+                   "machine's cores)")
+    p.add_argument("--copies", type=int, default=None, help="independent copies of each profiled model (default 4 "
+                   "simulated, 1 live)")
     p.add_argument("--device-memory", type=float, default=1.5,
                    help="each device's memory, in units of the largest model's weights (default 1.5)")
     p.add_argument("--cv", type=float, default=4.0, help="burstiness of each model's arrivals; 0: the trace's own gaps")
@@ -43,7 +49,11 @@ def add_parser(sub) -> None:
     p.add_argument("--slo-scale", type=float, default=8.0,
                    help="SLO: a request's latency at most this many times its latency alone on one device "
                         "(default 8)")
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of simulated arrivals (default 120)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 120 simulated, 60 "
+                   "live)")
+    p.add_argument("--live-plans", default="alpaserve,replication,dedicated",
+                   help="live: the plans to serve and replay, in turn")
+    p.add_argument("--port", type=int, default=50071, help="live: the gRPC port of the app served (loopback)")
     p.add_argument("--max-output", type=int, default=64, help="output tokens per request at most (default 64)")
     p.add_argument("--max-prompt", type=int, default=512, help="prompt tokens per request at most (default 512)")
     p.add_argument("--seed", type=int, default=0)
@@ -158,7 +168,7 @@ def trace_lengths(path: Path, most: int = 2000):
 
 
 def scenario(profiles, meta: dict, args, cv: float | None = None, load: float | None = None,
-             slo_scale: float | None = None):
+             slo_scale: float | None = None, configs: list[str] = SCALED_CONFIGS):
     """The Problem a run plans for: scaled profiles, per-model rates, Gamma (or trace) arrivals, SLOs."""
     from calid.placement.planner import LatencySlo, Problem
     from calid.placement.profile import Config, ParallelCosts, scaled
@@ -169,7 +179,7 @@ def scenario(profiles, meta: dict, args, cv: float | None = None, load: float | 
     slo_scale = args.slo_scale if slo_scale is None else slo_scale
     costs = ParallelCosts(meta["tp_efficiency"] if args.tp_efficiency is None else args.tp_efficiency,
                           meta["pp_overhead"] if args.pp_overhead is None else args.pp_overhead)
-    models = scaled(profiles, costs, [Config.parse(c) for c in SCALED_CONFIGS], copies=args.copies)
+    models = scaled(profiles, costs, [Config.parse(c) for c in configs], copies=args.copies)
     lengths = trace_lengths(Path(args.trace))
     mean_out = sum(min(r.output_tokens, args.max_output) for r in lengths) / len(lengths)
     mean_prompt = sum(min(r.prompt_tokens, args.max_prompt) for r in lengths) / len(lengths)
@@ -265,14 +275,52 @@ def _ratio(a: float, b: float) -> str:
 
 
 def run(args) -> int:
-    from calid.errors import CalidError
-
+    live = not args.simulate and not args.profile
+    defaults = {"devices": None if live else 16, "copies": 1 if live else 4, "duration": 60.0 if live else 120.0}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.profile:
         run_profile(args)
         if not args.simulate:
             return 0
     if args.simulate:
         return run_simulate(args)
-    raise CalidError("live replay needs several models served from one app (calid serve --models), which is not "
-                     "built yet; use --profile and --simulate")
+    return run_live(args)
+
+
+def run_live(args) -> int:
+    import importlib
+
+    from calid.backends import cpu_summary
+    from calid.errors import CalidError
+    from calid.placement.profile import load
+
+    live = importlib.import_module("serve_app.placement_live")  # Ray and Serve: the server side's
+    path = profile_path(args.profile_file)
+    if not path.exists():
+        raise CalidError(f"no placement profile at {path}: measure one first with calid bench placement --profile")
+    cores = live.cores()
+    args.devices = args.devices or len(cores)
+    if not 1 <= args.devices <= len(cores):
+        raise CalidError(f"--devices {args.devices}: live runs use this machine's cores ({len(cores)})")
+    wanted = [p.strip() for p in args.live_plans.split(",") if p.strip()]
+    unknown = [p for p in wanted if p not in PLANNER_ORDER]
+    if unknown or not wanted:
+        raise CalidError(f"--live-plans among {', '.join(PLANNER_ORDER)}, got {args.live_plans!r}")
+    args.live_plans = wanted
+    profiles, meta = load(path)
+    problem, rate = scenario(profiles, meta, args, configs=["tp1xpp1"])  # live: one-device groups
+    print(f"bench placement (live): {len(problem.profiles)} models ({', '.join(problem.profiles)}) on "
+          f"{args.devices} cores; {len(problem.requests)} requests over {args.duration:g} s at {rate:.2f} req/s "
+          f"(load {args.load:g}), CV {args.cv or 'trace'}, SLO scale {args.slo_scale:g}; profile {path} "
+          f"({meta.get('cpu', '?')}); now {cpu_summary()}", file=sys.stderr)
+    plans = plan_all(problem)
+    rows = live.run_live(args, problem, plans, problem.profiles, args.port)
+    meta_out = {"devices": args.devices, "requests": len(problem.requests), "rate_rps": rate, "cv": args.cv or "trace",
+                "slo_scale": args.slo_scale, "duration_s": args.duration, "profile": str(path), "cpu": cpu_summary()}
+    live.report(args, rows, meta_out)
+    if args.json:
+        print(json.dumps({"live": rows, "meta": meta_out}))
+    return 0
 

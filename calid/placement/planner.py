@@ -80,7 +80,13 @@ class Plan:
 
 
 def attainment(problem: Problem, placement: Placement) -> tuple[float, dict[str, float]]:
-    outcomes = simulate(placement, problem.profiles, problem.requests, problem.max_batch, problem.overlap)
+    """The simulator's prediction for ``placement``: overall and per model."""
+    return attainment_of(problem, simulate(placement, problem.profiles, problem.requests, problem.max_batch,
+                                           problem.overlap))
+
+
+def attainment_of(problem: Problem, outcomes: list) -> tuple[float, dict[str, float]]:
+    """Attainment of ``outcomes`` (one per request of the problem, simulated or measured live)."""
     met: dict[str, list[bool]] = {m: [] for m in problem.profiles}
     for r, o in zip(problem.requests, outcomes):
         met[r.model].append(_met(problem.slos[r.model], r, o))

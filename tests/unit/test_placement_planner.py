@@ -244,13 +244,28 @@ def test_the_latency_slo_is_met_by_a_request_alone_and_missed_when_it_must_share
 # ---- the bench's command line ----------------------------------------------------------------------------
 
 
-def test_bench_placement_without_a_profile_or_live_app_says_what_to_do(tmp_path, capsys):
+def test_bench_placement_without_a_profile_says_what_to_do(tmp_path, capsys):
     from calid.cli import main
 
-    assert main(["bench", "placement", "--simulate", "--profile-file", str(tmp_path / "none.json")]) != 0
-    assert "--profile" in capsys.readouterr().err
-    assert main(["bench", "placement"]) != 0
-    assert "not built yet" in capsys.readouterr().err
+    for live in ([], ["--simulate"]):
+        assert main(["bench", "placement", *live, "--profile-file", str(tmp_path / "none.json")]) != 0
+        assert "measure one first with calid bench placement --profile" in capsys.readouterr().err
+
+
+def test_a_plan_becomes_models_pinned_to_its_groups_cores():
+    from calid.errors import CalidError
+    from serve_app.placement_live import plan_to_models
+
+    profiles = {"big": None, "small": None, "tiny": None}
+    plan = Placement((Group(ONE, ("big", "small")), Group(ONE, ("small",))))
+    assert plan_to_models(plan, profiles, [4, 5, 6], 16) == [
+        {"name": "big", "target": "big", "draft": None, "default_mode": "ar", "placement": [[4]], "max_active": 16},
+        {"name": "small", "target": "small", "draft": None, "default_mode": "ar", "placement": [[4], [5]],
+         "max_active": 16}]  # tiny is on no group: its requests are refused, as the simulator drops them
+    with pytest.raises(CalidError, match="uses 2 devices and this machine has 1"):
+        plan_to_models(plan, profiles, [0], 16)
+    with pytest.raises(CalidError, match="one-device groups only"):
+        plan_to_models(Placement((Group(Config(2, 1), ("big",)),)), profiles, [0, 1], 16)
 
 
 def test_bench_placement_simulate_prints_each_planners_attainment_as_json(tmp_path, capsys):
