@@ -15,12 +15,14 @@ import asyncio
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from calid.errors import CalidError
 
 APP = "placement"
 WARM_TOKENS = 4
+PROBES, PROBE_TOKENS = 2, 24  # lone requests per model that time the serving path's step
 
 
 def cores() -> list[int]:
@@ -89,11 +91,33 @@ async def warm(address: str, models: list[str], prompt: str) -> None:
                                for m in models for _ in range(2)))
 
 
+async def served_step_s(address: str, models: dict[str, str], prompt: str) -> dict[str, float]:
+    """Each model's time per output token through the served app, one request alone (the fastest of
+    PROBES): profile model name -> seconds."""
+    from calid.client import AsyncClient
+    from serve_app.load_bench import _one
+
+    out = {}
+    async with AsyncClient(address, app=APP, timeout=900) as c:
+        for model, served in models.items():
+            best = float("inf")
+            for _ in range(PROBES):
+                o = await _one(c, prompt, "ar", PROBE_TOKENS, model=served, raw_prompt=True)
+                if o.error is None and o.tokens > 1:
+                    best = min(best, (o.last_s - o.first_s) / (o.tokens - 1))
+            out[model] = best
+    return out
+
+
 def run_live(args, problem, plans: dict, profiles: dict, port: int) -> list[dict]:
     """Serve each of ``args.live_plans`` in turn and replay ``problem``'s requests against it."""
     from calid.backends import model_facts
     from calid.models.loader import load_tokenizer
     from calid.placement.planner import attainment, attainment_of
+    from calid.placement.profile import Config, with_overhead
+    from calid.placement.simulator import simulate
+
+    ONE = Config(1, 1)
     from serve_app.config import AppConfig
     from serve_app.local import serve_app, shutdown
 
@@ -116,18 +140,30 @@ def run_live(args, problem, plans: dict, profiles: dict, port: int) -> list[dict
             _, folder = model_facts(first, "auto", "cpu", False, show_progress=False)
             prompts = prompts_for(problem.requests, load_tokenizer(folder))
             asyncio.run(warm(address, [m["name"] for m in models], prompts[0]))
+            served = asyncio.run(served_step_s(address, {m["target"]: m["name"] for m in models}, prompts[0][:64]))
+            overhead = {m: max(0.0, t - profiles[m].latency[ONE].step(1)) for m, t in served.items()}
             t = time.perf_counter()
             outcomes = asyncio.run(replay(address, problem.requests, prompts))
             wall = time.perf_counter() - t
             live, live_per = attainment_of(problem, outcomes)
             sim, sim_per = attainment(problem, plan.placement)
+            # the same prediction with each model's steps as long as they were through the served app alone
+            served_problem = replace(problem, profiles=with_overhead(problem.profiles, overhead))
+            sim_s, sim_s_per = attainment(served_problem, plan.placement)
+            _save_outcomes(Path(args.out) / f"placement-live-{name}.jsonl", problem, outcomes,
+                           simulate(plan.placement, served_problem.profiles, problem.requests, problem.max_batch))
             errors = sum(o.error is not None for o in outcomes)
-            rows.append({"planner": name, "placement": str(plan.placement), "simulated": sim, "measured": live,
-                         "difference_points": 100 * (live - sim), "requests": len(outcomes), "errors": errors,
-                         "replay_s": wall, "per_model": {m: {"simulated": sim_per.get(m), "measured": live_per.get(m)}
-                                                         for m in live_per}})
-            print(f"[live] {name}: simulated {sim:.3f}, measured {live:.3f} ({100 * (live - sim):+.1f} points; "
-                  f"{len(outcomes)} requests in {wall:.0f} s, {errors} errors)", file=sys.stderr)
+            rows.append({"planner": name, "placement": str(plan.placement), "simulated": sim,
+                         "simulated_served": sim_s, "measured": live, "difference_points": 100 * (live - sim_s),
+                         "requests": len(outcomes), "errors": errors, "replay_s": wall,
+                         "step_overhead_ms": {m: round(1000 * v, 1) for m, v in overhead.items()},
+                         "per_model": {m: {"simulated": sim_per.get(m), "simulated_served": sim_s_per.get(m),
+                                           "measured": live_per.get(m)} for m in live_per}})
+            print(f"[live] {name}: simulated {sim:.3f} (profile as measured), {sim_s:.3f} (with the serving "
+                  f"path's step overhead measured alone: "
+                  + ", ".join(f"{m} +{1000 * v:.1f} ms" for m, v in overhead.items())
+                  + f"), measured {live:.3f} ({100 * (live - sim_s):+.1f} points; {len(outcomes)} requests in "
+                  f"{wall:.0f} s, {errors} errors)", file=sys.stderr)
             serve.delete(APP)
     finally:
         if owned:
@@ -137,16 +173,34 @@ def run_live(args, problem, plans: dict, profiles: dict, port: int) -> list[dict
     return rows
 
 
+def _save_outcomes(path: Path, problem, live: list, simulated: list) -> None:
+    """Each request's arrival, lengths, and latency live and simulated (seconds): what a gap is made of."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r, a, b in zip(problem.requests, live, simulated):
+            f.write(json.dumps({"at_s": r.at_s, "model": r.model, "prompt": r.prompt_tokens, "output": r.output_tokens,
+                                "alone_s": problem.slos[r.model].profile.alone_latency_s(r.prompt_tokens,
+                                                                                         r.output_tokens),
+                                "live_ttft_s": a.ttft_s, "live_s": a.last_s - a.sent_s if a.last_s else None,
+                                "sim_ttft_s": b.ttft_s, "sim_s": b.last_s - b.sent_s if b.last_s else None,
+                                "error": a.error}) + "\n")
+
+
 def report(args, rows: list[dict], meta: dict) -> None:
     from calid.bench.report import write_report
 
-    notes = ["simulated: the discrete-event simulator's attainment for the same requests and placement; measured: "
-             "the same requests replayed through gRPC against the placement served on this machine's cores",
+    notes = ["simulated: the discrete-event simulator's attainment for the same requests and placement, from the "
+             "profile as measured (the model in process); simulated_served: the same with each model's step longer "
+             "by what the served app added to a lone request's time per token (measured before the replay); "
+             "measured: the same requests replayed through gRPC against the placement served on this machine's "
+             "cores; difference_points: measured - simulated_served",
              "attainment: share of requests whose end-to-end latency (client side) is within SLO scale x their "
              "latency alone on one device (the profile)"]
     table = [{k: v for k, v in r.items() if k != "per_model"} for r in rows]
     js, md = write_report(Path(args.out), "placement-live", "placement: simulator vs live", meta, table,
-                          ["planner", "placement", "simulated", "measured", "difference_points", "requests",
-                           "errors", "replay_s"], notes)
+                          ["planner", "placement", "simulated", "simulated_served", "measured", "difference_points",
+                           "requests", "errors", "replay_s"], notes)
     print(md.read_text())
     print(f"report: {js} and {md}", file=sys.stderr)

@@ -315,7 +315,17 @@ def run_live(args) -> int:
           f"{args.devices} cores; {len(problem.requests)} requests over {args.duration:g} s at {rate:.2f} req/s "
           f"(load {args.load:g}), CV {args.cv or 'trace'}, SLO scale {args.slo_scale:g}; profile {path} "
           f"({meta.get('cpu', '?')}); now {cpu_summary()}", file=sys.stderr)
-    plans = plan_all(problem)
+    from calid.placement.planner import PLANNERS
+
+    plans = {}
+    for name in args.live_plans:
+        try:
+            plans[name] = PLANNERS[name](problem)
+        except ValueError as e:  # e.g. dedicated: fewer devices than models
+            print(f"[live] {name}: no plan: {e}", file=sys.stderr)
+    args.live_plans = [n for n in args.live_plans if n in plans]
+    if not plans:
+        raise CalidError("no planner could place these models on these devices")
     rows = live.run_live(args, problem, plans, problem.profiles, args.port)
     meta_out = {"devices": args.devices, "requests": len(problem.requests), "rate_rps": rate, "cv": args.cv or "trace",
                 "slo_scale": args.slo_scale, "duration_s": args.duration, "profile": str(path), "cpu": cpu_summary()}

@@ -75,6 +75,10 @@ class Latency:
     def scaled(self, factor: float) -> "Latency":
         return Latency(self.batches, tuple(t * factor for t in self.step_s), self.prefill_s_per_token * factor)
 
+    def plus(self, step_overhead_s: float) -> "Latency":
+        """Every step costs ``step_overhead_s`` more (a serving path's per-step cost on top of the model's)."""
+        return Latency(self.batches, tuple(t + step_overhead_s for t in self.step_s), self.prefill_s_per_token)
+
 
 @dataclass(frozen=True)
 class ModelProfile:
@@ -175,3 +179,11 @@ def scaled(base: dict[str, ModelProfile], costs: ParallelCosts, configs: list[Co
             name = p.name if copies == 1 else f"{p.name}#{k + 1}"
             out[name] = ModelProfile(name, p.weight_bytes, table, p.overhead_bytes)
     return out
+
+
+def with_overhead(profiles: dict[str, ModelProfile], step_overhead_s: dict[str, float]) -> dict[str, ModelProfile]:
+    """``profiles`` with each model's steps (every config) longer by its measured serving overhead."""
+    return {name: ModelProfile(p.name, p.weight_bytes,
+                               {c: lat.plus(step_overhead_s.get(name, 0.0)) for c, lat in p.latency.items()},
+                               p.overhead_bytes)
+            for name, p in profiles.items()}

@@ -288,3 +288,18 @@ def test_bench_placement_simulate_prints_each_planners_attainment_as_json(tmp_pa
     assert all(0.0 <= v <= 1.0 for v in out["slo_attainment"].values())
     assert out["slo_attainment"]["alpaserve"] >= out["slo_attainment"]["replication"]
     assert (tmp_path / "placement.md").exists()
+
+
+def test_a_serving_overhead_lengthens_every_step_and_lowers_predicted_attainment():
+    from calid.placement.profile import with_overhead
+
+    p = ModelProfile("m", GB, {ONE: Latency((1, 8), (0.01, 0.04), 0.001)})
+    served = with_overhead({"m": p}, {"m": 0.005})["m"]
+    assert served.latency[ONE].step_s == (0.015, 0.045) and served.latency[ONE].prefill_s_per_token == 0.001
+    reqs = [Request(0.5 * i, "m", 10, 20) for i in range(10)]  # alone: 0.21 s each, no queueing
+    problem = planner.Problem({"m": p}, 1, 2 * GB, reqs, {"m": planner.LatencySlo(1.3, p)})
+    placement = Placement((Group(ONE, ("m",)),))
+    from dataclasses import replace
+
+    slower = replace(problem, profiles={"m": served})  # the SLO still judges against the profile as measured
+    assert planner.attainment(problem, placement)[0] == 1.0 and planner.attainment(slower, placement)[0] == 0.0
