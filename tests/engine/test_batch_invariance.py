@@ -53,22 +53,11 @@ def _requests(tok, prompts, decode, **params):
             for p in prompts]
 
 
-def _amx() -> bool:
-    from calid.backends import cpu_flags
-
-    return "amx_bf16" in cpu_flags()
-
-
 def test_greedy_modes_are_identical_token_for_token(engine):
     eng, tok = engine
     results = {d.mode: eng.generate(_requests(tok, PROMPTS, d)) for d in MODES}
-    bf16 = eng.target.model.embed.weight.dtype == torch.bfloat16
     for mode, res in results.items():
-        same = [r.output_ids for r in res] == [r.output_ids for r in results["ar"]]
-        if not same and bf16 and _amx():
-            pytest.xfail(f"known open (issue 27): on a CPU with AMX, bf16 {mode} departed from ar even with "
-                         "invariant runners (fp32 and every alone-vs-crowd case hold there)")
-        assert same, mode
+        assert [r.output_ids for r in res] == [r.output_ids for r in results["ar"]], mode
     for mode in ("speculative", "tree", "lookahead"):  # the drafts really verified (and some were kept)
         assert sum(r.stats.verifications for r in results[mode]) > 0, mode
     assert sum(r.stats.draft_tokens for m in ("speculative", "tree", "lookahead") for r in results[m]) > 0

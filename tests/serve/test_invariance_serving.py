@@ -48,12 +48,7 @@ def invariant_app(serve_port):
 @pytest.mark.parametrize("mode", ["ar", "speculative"])
 @pytest.mark.parametrize("params", [{}, SAMPLED], ids=["greedy", "sampled"])
 def test_torch_bf16_invariant_target_alone_equals_among_eleven_others(invariant_app, mode, params):
-    from calid.backends import cpu_flags
-
     alone, crowd = _alone_and_crowd(invariant_app.grpc_port, invariant_app.app_name, mode, **params)
-    if alone != crowd and "amx_bf16" in cpu_flags():
-        pytest.xfail("known open (issue 27): on a CPU with AMX (Sapphire Rapids) the served bf16 invariant target's "
-                     "output moved with its batch (first seen 2026-11-25); on AVX-512 without AMX it held")
     assert alone == crowd and len(alone) > 8
 
 
