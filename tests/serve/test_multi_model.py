@@ -127,3 +127,15 @@ def test_a_model_on_two_groups_spreads_its_requests_and_each_target_is_pinned(mc
     assert all(a > b for a, b in zip(after, before)), f"steps before {before}, after {after}"
     for i in (0, 1):
         assert handle(APP, f"target-plain@{i}").stats.remote().result()["cores"] == [CORE]
+
+
+def test_draining_the_front_drains_every_model(mclient):  # last: the app admits nothing afterwards
+    from calid.client import Unavailable
+
+    front = handle(APP, "router")
+    assert front.drain.remote().result()["requests"] == 0
+    assert front.stats.remote().result()["requests"] == 0
+    for model in ("smol", "plain"):
+        with pytest.raises(Unavailable, match="shutting down"):
+            mclient.generate("hi", model=model, max_new_tokens=2)
+    assert not mclient.health().serving
