@@ -124,6 +124,8 @@ def run_live(args, problem, plans: dict, profiles: dict, port: int) -> list[dict
     import ray
     from ray import serve
 
+    _, folder = model_facts(next(iter(profiles)), "auto", "cpu", False, show_progress=False)
+    prompts = prompts_for(problem.requests, load_tokenizer(folder))  # the same prompts for every plan
     rows = []
     owned = not ray.is_initialized()  # a Ray started here is shut down here; a running one only loses the app
     try:
@@ -136,9 +138,6 @@ def run_live(args, problem, plans: dict, profiles: dict, port: int) -> list[dict
                                                                    for m in models), file=sys.stderr)
             serve_app(cfg, dashboard=False)
             address = f"127.0.0.1:{port}"
-            first = next(iter(profiles))
-            _, folder = model_facts(first, "auto", "cpu", False, show_progress=False)
-            prompts = prompts_for(problem.requests, load_tokenizer(folder))
             asyncio.run(warm(address, [m["name"] for m in models], prompts[0]))
             served = asyncio.run(served_step_s(address, {m["target"]: m["name"] for m in models}, prompts[0][:64]))
             overhead = {m: max(0.0, t - profiles[m].latency[ONE].step(1)) for m, t in served.items()}
@@ -149,9 +148,10 @@ def run_live(args, problem, plans: dict, profiles: dict, port: int) -> list[dict
             sim, sim_per = attainment(problem, plan.placement)
             # the same prediction with each model's steps as long as they were through the served app alone
             served_problem = replace(problem, profiles=with_overhead(problem.profiles, overhead))
-            sim_s, sim_s_per = attainment(served_problem, plan.placement)
-            _save_outcomes(Path(args.out) / f"placement-live-{name}.jsonl", problem, outcomes,
-                           simulate(plan.placement, served_problem.profiles, problem.requests, problem.max_batch))
+            predicted = simulate(plan.placement, served_problem.profiles, problem.requests, problem.max_batch,
+                                 problem.overlap)
+            sim_s, sim_s_per = attainment_of(served_problem, predicted)
+            _save_outcomes(Path(args.out) / f"placement-live-{name}.jsonl", problem, outcomes, predicted)
             errors = sum(o.error is not None for o in outcomes)
             rows.append({"planner": name, "placement": str(plan.placement), "simulated": sim,
                          "simulated_served": sim_s, "measured": live, "difference_points": 100 * (live - sim_s),

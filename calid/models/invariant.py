@@ -92,10 +92,11 @@ def max_invariant_rows(weight: torch.Tensor, seed: int = 0) -> int:
             return 0
         good = 1
         for m in PROBE_ROWS:
-            for _ in range(PROBE_TRIALS if m > 32 else 1):
-                rows = torch.randperm(MAX_ROWS, generator=g)[:m].to(weight.device)
-                if not torch.equal(F.linear(pool.index_select(0, rows), weight), pairs.index_select(0, rows)):
-                    return next((r for r in ROW_LIMITS if r <= good), 0)
+            tries = (torch.randperm(MAX_ROWS, generator=g)[:m].to(weight.device)
+                     for _ in range(PROBE_TRIALS if m > 32 else 1))
+            if not all(torch.equal(F.linear(pool.index_select(0, rows), weight), pairs.index_select(0, rows))
+                       for rows in tries):
+                break
             good = m
     return next((r for r in ROW_LIMITS if r <= good), 0)
 
