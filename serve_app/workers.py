@@ -199,10 +199,14 @@ class _WorkerBase:
         return self._costs
 
     async def stats(self) -> dict:
-        """Counters for tests and the demo: batches run, the largest batch, live KV caches."""
+        """Counters for tests, the demo and benches: batches run, the largest batch, live KV caches, and the
+        runner's tokens fed and, of those, ids its cache did not hold (``recomputed_tokens``: new prompts and
+        caches lost to eviction; sharded replicas report neither)."""
         cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
+        runner = getattr(getattr(self, "_runner", None), "stats", None)
         return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending,
-                "busy_s": self._busy_s, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0))}
+                "busy_s": self._busy_s, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
+                **({"tokens": runner.tokens, "recomputed_tokens": runner.recomputed_tokens} if runner else {})}
 
     def _cached(self) -> int:
         return self._runner.cached_count()

@@ -283,7 +283,9 @@ class LlamaCppRunner:
                 for src, dst in copies:  # after phase A: the copies hold the committed tokens
                     self._copy_stream(src, dst)
             for call in self._calls(entries[lo:hi]):
-                call = [lo + i for i in call]
+                # in slot order: llama.cpp splits a batch whose KV streams are out of order into many small
+                # ubatches, each reading every weight (12 one-token rows on slots 11..0: 3.5x the time of 0..11)
+                call = sorted((lo + i for i in call), key=lambda i: entries[i][2])
                 self._decode([entries[i] for i in call], [i in flagged for i in call], inputs)
                 mine = [i for i in call if i in flagged]
                 if mine:
