@@ -150,11 +150,15 @@ class Orchestrator:
 
     def observe_verify(self, tokens: int, seconds: float, replica: Hashable | None = None) -> None:
         """A target forward over ``tokens`` new tokens took ``seconds`` (caller-measured, transport included),
-        on ``replica`` (None: the only one)."""
+        on ``replica`` (None: the only one, or a calibration, which also fills the sizes a replica's table lacks)."""
         if replica is not None:
             pooled = self.verify_cost
             table = self.replica_costs.setdefault(replica, CostTable(list(pooled.sizes), list(pooled.seconds)))
             table.observe(tokens, seconds)
+        else:  # a calibration: replicas timed before it get the sizes they have not seen (a table that knows only
+            for table in self.replica_costs.values():  # one size would price every verification proportionally)
+                if tokens not in table.sizes:
+                    table.observe(tokens, seconds)
         self.verify_cost.observe(tokens, seconds)
 
     def verify_cost_of(self, replica: Hashable | None) -> CostTable:

@@ -86,6 +86,8 @@ def run(args) -> int:
           f"{workloads}; {args.rounds} rounds; {args.max_new_tokens} new tokens (EOS ignored), greedy; {cpu_summary()}; "
           f"bandwidth {bandwidth:.1f} GB/s -> one decode step >= {1000 / limit:.1f} ms ({limit:.1f} tok/s at batch 1)",
           file=sys.stderr)
+    if engine is not None and "auto" in modes:
+        engine.calibrate()  # as the served app's warm-up below calibrates its router: not inside a timed point
     serve_app(cfg, dashboard=False)
     samples: dict[tuple, list[dict]] = {}
     try:

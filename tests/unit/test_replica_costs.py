@@ -56,3 +56,18 @@ def test_a_replica_table_starts_from_the_pooled_one_and_follows_its_own_timings(
         orch.observe_verify(16, 0.200, "slow")
     assert abs(fast(16) - 0.010) < 1e-4  # one replica's timings leave another's table alone
     assert orch.verify_cost_of("slow")(16) > 0.15 and orch.verify_cost(16) > 0.15  # the pool hears every replica
+
+
+def test_a_replica_timed_before_the_calibration_still_gets_its_sizes():
+    """A served app's first requests may be plain (ar) steps timed on their replica before any auto request has
+    the router calibrate: that replica's table then knew one size, priced every verification as that many
+    one-token steps, and auto never drafted at one request in flight (found on the Qwen pair at c=1)."""
+    orch = _orchestrator({"a": "r0"})
+    orch.observe_verify(1, 0.070, "r0")  # a warm-up request's plain step
+    for tokens, secs in ((1, 0.068), (4, 0.110), (8, 0.184), (16, 0.208)):  # the calibration, later
+        orch.observe_verify(tokens, secs)
+    table = orch.verify_cost_of("r0")
+    assert table.sizes == [1, 4, 8, 16] and table(1) == 0.070  # its own timing of size 1 stays
+    assert table(8) == 0.184
+    states = _active(orch, ["a"])
+    assert [t.request_id for t in orch.draft_tasks(states)] == ["a"]  # verifying a chain now pays: it drafts
