@@ -22,12 +22,12 @@ import sys
 import time
 from pathlib import Path
 
+from calid.bench.load import DEFAULT_TRACE
+
 COLUMNS = ["load", "mode", "requests", "errors", "tokens", "tok_s", "tok_s_vs_ar", "goodput_tok_s", "goodput_vs_ar",
            "slo_met",
            "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "draft_share"]
 RATES = {"light": 0.25, "capacity": 1.0, "overload": 2.0}  # trace replays, in multiples of ar's capacity
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-trace-2023" / \
-    "AzureLLMInferenceTrace_conv.csv"
 
 
 def add_parser(sub) -> None:

@@ -8,8 +8,14 @@ other on the same machine and GGUF:
                       build calid uses (it needs the server's web packages: ``pip install 'calid[peers]'``);
   llama-server        llama.cpp's C++ server with continuous batching (``-np`` slots), when --llama-server
                       names its binary (see README: how to build it from the llama-cpp-python sources).
-Per server, mode and concurrency: output tokens/s, TTFT p50/p99, TPOT p50, and each one's ratio to calid
-ar at the same concurrency; a PNG of throughput vs concurrency; the CPU flags and the bandwidth limit.
+Then, per server and mode, an open-loop replay of the Azure LLM inference trace (conversation services:
+its arrival gaps, prompt and output lengths; prompts cut from HumanEval's text to the trace's lengths, sent
+as raw completions) at --trace-rate times the request rate calid ar sustained at the sweep's top
+concurrency. Per server, mode and load: output tokens/s, TTFT p50/p99, TPOT p50, the share of requests
+within an SLO (--slo-scale x calid ar's TTFT and TPOT p50 at the lowest concurrency), and each one's ratio to
+calid ar at the same load; a PNG of throughput vs concurrency; the CPU flags and the bandwidth limit. Tokens
+are counted from the usage a server reports at the end of a stream (stream_options.include_usage), else one
+per streamed chunk.
 A server that cannot start is reported with the reason, and the others still run.
 """
 from __future__ import annotations
@@ -18,13 +24,17 @@ import asyncio
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-COLUMNS = ["server", "mode", "concurrency", "requests", "errors", "tokens", "tok_s", "tok_s_vs_calid_ar",
-           "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "limit_tok_s"]
+from calid.bench.load import DEFAULT_TRACE
+
+COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "tok_s_vs_calid_ar",
+           "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met", "limit_tok_s"]
 PEERS = ("llama-cpp-python", "llama-server")
 
 
@@ -38,6 +48,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads of every server (default: all cores)")
     p.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama-server binary (default: on PATH)")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV to replay ('' : no replay)")
+    p.add_argument("--trace-rate", type=float, default=0.5, help="replay rate, in multiples of the request rate "
+                   "calid ar sustains at the sweep's top concurrency (default 0.5)")
+    p.add_argument("--trace-requests", type=int, default=24, help="requests in the replay (default 24)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="trace prompts are cut to at most this")
+    p.add_argument("--slo-scale", type=float, default=5.0, help="SLO: this x calid ar's TTFT and TPOT p50 at the "
+                   "lowest concurrency")
     p.add_argument("--port", type=int, default=8093, help="HTTP port each server takes in turn")
     p.add_argument("--out", default="bench_results")
     p.set_defaults(func=run)
@@ -69,27 +86,39 @@ def run(args) -> int:
     print(f"bench peers: {cfg.target} ({Path(gguf).name}), {threads} threads; calid modes {modes}; peers {peers}; "
           f"concurrency {sweep}; {args.max_new_tokens} new tokens, greedy; {cpu_summary()}; decode limit "
           f"{limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)", file=sys.stderr)
-    rows, skipped = [], []
+    runs, skipped = [], []
     url = f"http://127.0.0.1:{args.port}/v1"
+    replay = None
     with _calid(cfg):
         for mode in modes:
-            rows += _sweep(url, cfg.target, "calid", mode, sweep, prompts, args)
+            runs += _sweep(url, cfg.target, "calid", mode, sweep, prompts, args)
+            if mode == "ar" and args.trace:  # the replay's rate follows what calid ar sustained
+                replay = _replay_plan(args, cfg.target, runs[-1][3])
+            if replay:
+                runs.append(_replay(url, cfg.target, "calid", mode, replay))
     for peer in peers:
         try:
             with _peer(peer, gguf, threads, args.port, max(sweep), args.llama_server, cfg.target):
-                rows += _sweep(url, cfg.target, peer, "ar", sweep, prompts, args)
+                runs += _sweep(url, cfg.target, peer, "ar", sweep, prompts, args)
+                if replay:
+                    runs.append(_replay(url, cfg.target, peer, "ar", replay))
         except PeerUnavailable as e:
             skipped.append(f"{peer}: {e}")
             print(f"bench peers: {peer} not run: {e}", file=sys.stderr)
-    base = {r["concurrency"]: r["tok_s"] for r in rows if r["server"] == "calid" and r["mode"] == "ar"}
-    for r in rows:
-        r["tok_s_vs_calid_ar"] = r["tok_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
-        r["limit_tok_s"] = limit * r["concurrency"]
+    rows, slo = _rows(runs, args.slo_scale, limit)
     meta = {"model": cfg.target, "gguf": Path(gguf).name, "threads": threads, "cpu": cpu_summary(),
-            "bandwidth_GBps": round(bandwidth, 1), "new_tokens": args.max_new_tokens}
-    notes = ["tok_s: output tokens of all requests / wall time of the point (closed loop, each client sends its next "
-             "request when the last one ends); tok_s_vs_calid_ar: ratio to calid ar at the same concurrency",
-             "TTFT: send to first streamed token; TPOT: (last - first token) / (tokens - 1), per request",
+            "bandwidth_GBps": round(bandwidth, 1), "new_tokens": args.max_new_tokens,
+            "slo": f"TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.0f} ms",
+            **({"replay": f"{replay.name}: {len(replay.trace)} requests at {replay.rate:.3f}/s ({args.trace_rate:g} x "
+                          f"calid ar's {replay.capacity:.3f}/s), {replay.mean_prompt:.0f} prompt / "
+                          f"{replay.mean_output:.0f} output tokens on average"} if replay else {})}
+    notes = ["tok_s: output tokens of all requests / wall time of the point (first send to last token); c<N>: N "
+             "clients in a closed loop (each sends its next request when the last one ends); trace: the Azure "
+             "trace replayed open-loop (each request sent at its arrival time); tok_s_vs_calid_ar: ratio to calid "
+             "ar at the same load",
+             "TTFT: send to first streamed token; TPOT: (last - first token) / (tokens - 1), per request; slo_met: "
+             f"share of requests with TTFT and TPOT within the SLO ({args.slo_scale:g} x calid ar's p50 at "
+             f"c{sweep[0]})",
              f"limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
     notes += [f"not run: {s}" for s in skipped]
     name = f"peers-{'small' if args.small else 'qwen'}"
@@ -174,60 +203,151 @@ class _peer:
         self.log.close()
 
 
-def _sweep(url: str, model: str, server: str, mode: str, sweep: list[int], prompts: list[str], args) -> list[dict]:
-    from calid.bench.load import percentile
-
-    rows = []
+def _sweep(url: str, model: str, server: str, mode: str, sweep: list[int], prompts: list[str], args) -> list:
+    """(server, mode, load, outcomes) per concurrency of the closed-loop sweep."""
+    runs = []
     asyncio.run(_closed_loop(url, model, mode, server, 1, 1, prompts, 8))  # warm the path (first-call costs)
     for c in sweep:
-        n = args.requests or max(4, 2 * c)
-        t = time.perf_counter()
-        outs = asyncio.run(_closed_loop(url, model, mode, server, c, n, prompts, args.max_new_tokens))
-        wall = time.perf_counter() - t
-        ok = [o for o in outs if o.error is None]
-        tokens = sum(o.tokens for o in ok)
-        ttft = [o.ttft_s * 1000 for o in ok if o.ttft_s is not None]
-        tpot = [o.tpot_s * 1000 for o in ok if o.tpot_s is not None]
-        rows.append({"server": server, "mode": mode, "concurrency": c, "requests": n, "errors": len(outs) - len(ok),
-                     "tokens": tokens, "tok_s": tokens / wall, "ttft_ms_p50": percentile(ttft, 50),
-                     "ttft_ms_p99": percentile(ttft, 99), "tpot_ms_p50": percentile(tpot, 50)})
-        print(f"  {server} {mode} c{c}: {tokens / wall:.2f} tok/s, {len(outs) - len(ok)} errors", file=sys.stderr)
-        if outs and not ok:
-            print(f"    first error: {outs[0].error}", file=sys.stderr)
-    return rows
+        outs = asyncio.run(_closed_loop(url, model, mode, server, c, args.requests or max(4, 2 * c), prompts,
+                                        args.max_new_tokens))
+        runs.append((server, mode, f"c{c}", outs))
+        _say(server, mode, f"c{c}", outs)
+    return runs
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    name: str  # the trace file's name
+    trace: list  # calid.bench.load.TraceRequest, at the replay's rate
+    prompts: list[str]
+    rate: float  # requests per second
+    capacity: float  # requests per second calid ar sustained at the sweep's top concurrency
+
+    @property
+    def mean_prompt(self) -> float:
+        return statistics.mean(r.prompt_tokens for r in self.trace)
+
+    @property
+    def mean_output(self) -> float:
+        return statistics.mean(r.output_tokens for r in self.trace)
+
+
+def _replay_plan(args, model: str, ar_top: list) -> ReplayPlan:
+    """The trace's first requests (lengths capped), prompts cut from HumanEval's text to their lengths, at
+    --trace-rate x the rate calid ar sustained at the top of the sweep (its tokens/s / the mean output)."""
+    from calid.backends import model_facts
+    from calid.bench import load
+    from calid.bench.data import humaneval_prompts
+    from calid.errors import CalidError
+    from calid.models.loader import load_tokenizer
+
+    if not Path(args.trace).is_file():
+        raise CalidError(f"no trace at {args.trace}: pass --trace PATH, or --trace '' to skip the replay")
+    if args.trace_rate <= 0 or args.trace_requests < 2 or args.max_prompt_tokens < 1:
+        raise CalidError("--trace-rate must be > 0, --trace-requests >= 2, --max-prompt-tokens >= 1")
+    trace = load.capped(load.read_trace(Path(args.trace), args.trace_requests), args.max_prompt_tokens,
+                        args.max_new_tokens)
+    tokenizer = load_tokenizer(model_facts(model, show_progress=False)[1])
+    corpus = tokenizer("\n\n".join(humaneval_prompts()), add_special_tokens=False)["input_ids"]
+    prompts = [tokenizer.decode(ids) for ids in load.cut_prompts(corpus, [r.prompt_tokens for r in trace])]
+    capacity = load.score(ar_top, load.Slo(float("inf"), float("inf")))["tok_s"] / \
+        statistics.mean(r.output_tokens for r in trace)
+    rate = args.trace_rate * capacity
+    return ReplayPlan(Path(args.trace).name, load.at_rate(trace, rate), prompts, rate, capacity)
+
+
+def _replay(url: str, model: str, server: str, mode: str, plan: ReplayPlan) -> tuple:
+    """(server, mode, "trace", outcomes): each request sent at its arrival time, as a raw completion."""
+    async def go():
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=url, api_key="none", timeout=1800, max_retries=0) as client:
+            start = time.perf_counter()
+
+            async def at(r, prompt):
+                await asyncio.sleep(max(0.0, start + r.at_s - time.perf_counter()))
+                return await _one(client, model, server, mode, r.output_tokens, prompt=prompt)
+
+            return list(await asyncio.gather(*(at(r, p) for r, p in zip(plan.trace, plan.prompts))))
+
+    outs = asyncio.run(go())
+    _say(server, mode, "trace", outs)
+    return server, mode, "trace", outs
+
+
+def _say(server: str, mode: str, where: str, outs: list) -> None:
+    from calid.bench import load
+
+    ok = [o for o in outs if o.error is None]
+    tok_s = load.score(outs, load.Slo(float("inf"), float("inf")))["tok_s"]
+    print(f"  {server} {mode} {where}: {tok_s:.2f} tok/s, {len(outs) - len(ok)} errors", file=sys.stderr)
+    if outs and not ok:
+        print(f"    first error: {outs[0].error}", file=sys.stderr)
+
+
+def _rows(runs: list, slo_scale: float, limit: float) -> tuple[list[dict], object]:
+    """One row per run, scored against an SLO of ``slo_scale`` x calid ar's TTFT and TPOT p50 at the lowest
+    concurrency; each row's throughput as a ratio to calid ar's at the same load."""
+    from calid.bench import load
+
+    low = next(outs for server, mode, _, outs in runs if (server, mode) == ("calid", "ar"))
+    base = load.score(low, load.Slo(float("inf"), float("inf")))
+    slo = load.Slo(slo_scale * base["ttft_ms_p50"] / 1000, slo_scale * base["tpot_ms_p50"] / 1000)
+    rows = []
+    for server, mode, where, outs in runs:
+        sc = load.score(outs, slo)
+        rows.append({"server": server, "mode": mode, "load": where, **{k: sc[k] for k in (
+            "requests", "errors", "tokens", "tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met")},
+            "limit_tok_s": limit * int(where[1:]) if where.startswith("c") else "-"})
+    ar = {r["load"]: r["tok_s"] for r in rows if (r["server"], r["mode"]) == ("calid", "ar")}
+    for r in rows:
+        r["tok_s_vs_calid_ar"] = r["tok_s"] / ar[r["load"]] if ar.get(r["load"]) else float("nan")
+    return rows, slo
 
 
 async def _closed_loop(url: str, model: str, mode: str, server: str, clients: int, n: int, prompts: list[str],
                        max_new: int) -> list:
     from openai import AsyncOpenAI
 
-    from calid.bench.load import Outcome
-
-    extra = {"ignore_eos": True, **({"mode": mode} if server == "calid" else {})}
     todo, out = list(range(n)), []
     async with AsyncOpenAI(base_url=url, api_key="none", timeout=1800, max_retries=0) as client:
-        async def one(prompt: str) -> Outcome:
-            sent, first, last, tokens = time.perf_counter(), None, None, 0
-            try:
-                stream = await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_new, temperature=0,
-                    stream=True, extra_body=extra)
-                async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        last = time.perf_counter()
-                        first = first or last
-                        tokens += 1
-            except Exception as e:  # noqa: BLE001 - counted in the row's errors
-                return Outcome(sent, first, last, tokens, error=f"{type(e).__name__}: {e}")
-            # llama_cpp.server under concurrent requests ends some streams with no content and no error
-            return Outcome(sent, first, last, tokens, error=None if tokens else "the stream ended with no tokens")
-
         async def worker():
             while todo:
-                out.append(await one(prompts[todo.pop() % len(prompts)]))
+                prompt = prompts[todo.pop() % len(prompts)]
+                out.append(await _one(client, model, server, mode, max_new, messages=[{"role": "user",
+                                                                                        "content": prompt}]))
 
         await asyncio.gather(*(worker() for _ in range(clients)))
     return out
+
+
+async def _one(client, model: str, server: str, mode: str, max_new: int, messages: list | None = None,
+               prompt: str | None = None):
+    """One streamed request (a chat with ``messages``, else a raw completion of ``prompt``), greedy, EOS
+    ignored; tokens from the usage the server reports at the end, else one per chunk with text."""
+    from calid.bench.load import Outcome
+
+    extra = {"ignore_eos": True, **({"mode": mode} if server == "calid" else {})}
+    common = dict(model=model, max_tokens=max_new, temperature=0, stream=True, extra_body=extra,
+                  stream_options={"include_usage": True})
+    sent, first, last, chunks, usage = time.perf_counter(), None, None, 0, None
+    try:
+        if messages is not None:
+            stream = await client.chat.completions.create(messages=messages, **common)
+        else:
+            stream = await client.completions.create(prompt=prompt, **common)
+        async for chunk in stream:
+            if getattr(chunk, "usage", None) is not None:
+                usage = chunk.usage.completion_tokens
+            if chunk.choices and ((chunk.choices[0].delta.content if messages is not None else chunk.choices[0].text)):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    except Exception as e:  # noqa: BLE001 - counted in the row's errors
+        return Outcome(sent, first, last, chunks, error=f"{type(e).__name__}: {e}")
+    tokens = usage if usage else chunks
+    # llama_cpp.server under concurrent requests ends some streams with no content and no error
+    return Outcome(sent, first, last, tokens, error=None if chunks else "the stream ended with no tokens")
 
 
 def _plot(rows: list[dict], path: Path) -> Path:
@@ -238,7 +358,8 @@ def _plot(rows: list[dict], path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in sorted({(r["server"], r["mode"]) for r in rows}):
-        pts = sorted((r["concurrency"], r["tok_s"]) for r in rows if (r["server"], r["mode"]) == key)
+        pts = sorted((int(r["load"][1:]), r["tok_s"]) for r in rows
+                     if (r["server"], r["mode"]) == key and r["load"].startswith("c"))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens/s")

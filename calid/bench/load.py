@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+# the Azure LLM inference trace 2023 (conversation services), where the workplace keeps it beside the repository
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure-llm-trace-2023" / \
+    "AzureLLMInferenceTrace_conv.csv"
+
 
 @dataclass(frozen=True)
 class TraceRequest:
