@@ -119,6 +119,7 @@ class Engine:
         orch = self.orchestrator
         if not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
             self.calibrate()
+        step_start = time.perf_counter()
         tasks = orch.draft_tasks(states)
         start = time.perf_counter()
         drafts = self.drafter.draft(tasks) if tasks else []
@@ -130,11 +131,15 @@ class Engine:
         results = self.verifier.verify(verify)
         if verify:
             orch.observe_verify(self.target.stats.tokens - fed, time.perf_counter() - start)
-        yield from orch.after_verify(results)
+        events = orch.after_verify(results)
+        orch.observe_step(time.perf_counter() - step_start)
+        yield from events
 
     def set_costs(self, verify, draft) -> None:
-        """Use these cost tables (calid.planning.CostTable) for the auto mode instead of measuring."""
+        """Use these cost tables (calid.planning.CostTable) for the auto mode instead of measuring; the planner's
+        plans are then followed as made (no StepGuard: nothing measured second-guesses them)."""
         self._calibrated = True
+        self.orchestrator.guard = None
         self.orchestrator.verify_cost, self.orchestrator.draft_cost = verify, draft
 
     def calibrate(self) -> None:

@@ -26,7 +26,7 @@ from calid.decoding.modes import DecodeParams
 from calid.decoding.ngram import NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import Acceptance, CostTable, Gain, PlanInput, plan_steps
+from calid.planning import AR, Acceptance, CostTable, Gain, PlanInput, StepGuard, plan_steps
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -71,6 +71,10 @@ class Orchestrator:
         self._ngram_step: dict[Hashable, list[int]] = {}
         self._ngram_proposal: dict[Hashable, list[int]] = {}  # this step's n-gram proposal per auto request
         self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
+        # the planner's plans against measured outcomes: steps that drafted vs plain steps, per batch size; the
+        # caller times each whole step (observe_step), and the guard may run a planned drafting step plain
+        self.guard: StepGuard | None = StepGuard()  # None: plans are followed as made (pinned cost tables)
+        self._timed_step: tuple[list[RequestState], bool, int] | None = None  # this step's states, drafted, tokens
         # the draft model's catch-up: seconds per token it prefills (measured by the caller), and how many of each
         # request's ids its last draft task carried (what its cache holds, unless evicted)
         self.draft_prefill_s = 0.0
@@ -170,6 +174,15 @@ class Orchestrator:
         if depth > 0:
             self.draft_cost.observe(sequences, seconds / depth)
 
+    def observe_step(self, seconds: float) -> None:
+        """The step that the last draft_tasks planned took ``seconds`` from planning to the target's results
+        (caller-measured): the guard's measure of steps that drafted vs plain steps, for auto steps past their
+        prefill."""
+        if self._timed_step is not None and self.guard is not None:
+            states, drafted, before = self._timed_step
+            self._timed_step = None
+            self.guard.observe(len(states), drafted, seconds, sum(len(s.output) for s in states) - before)
+
     def decode_of(self, s: RequestState) -> DecodeParams:
         """The mode a request runs this step (auto: what the planner chose)."""
         return self._step_decode.get(s.req.request_id, s.req.decode)
@@ -181,6 +194,7 @@ class Orchestrator:
             self._step_decode.pop(rid, None)
         self._plain.clear()
         self._ngram_step.clear()
+        self._timed_step = None
         self._plan(states)
         for s in states:
             budget = self._budgets.get(s.req.request_id)
@@ -216,19 +230,24 @@ class Orchestrator:
         by_replica: dict[Hashable | None, list[RequestState]] = {}
         for s in states:
             by_replica.setdefault(self.replica_of(s.req.request_id), []).append(s)
+        plans = []
         for replica, group in by_replica.items():
             auto = [s for s in group if s.req.decode.mode == "auto"]
-            if not auto:
-                continue
-            plan = plan_steps([self._plan_input(s) for s in auto], self.verify_cost_of(replica), draft_cost,
-                              fixed_tokens=len(group) - len(auto))
-            self.planned.update(c.mode for c in plan)
-            for s, c in zip(auto, plan):
-                rid = s.req.request_id
-                if c.mode == "ngram":  # verified as a greedy draft chain (one-hot draft rows when sampled)
-                    self._ngram_step[rid] = self._ngram_proposal[rid][: c.gamma]
-                self._step_decode[rid] = replace(s.req.decode, mode="speculative" if c.mode == "ngram" else c.mode,
-                                                 gamma=c.gamma or s.req.decode.gamma)
+            if auto:
+                plans += zip(auto, plan_steps([self._plan_input(s) for s in auto], self.verify_cost_of(replica),
+                                              draft_cost, fixed_tokens=len(group) - len(auto)))
+        drafts = any(c.mode != "ar" for _, c in plans)
+        if drafts and self.guard is not None and not self.guard.allow(len(states)):  # drafting measurably loses at this size: run plain
+            plans, drafts = [(s, AR) for s, _ in plans], False
+        if not any(s.prefilling for s in states):  # a prefill chunk's time says nothing of decoding
+            self._timed_step = (states, drafts, sum(len(s.output) for s in states))
+        self.planned.update(c.mode for _, c in plans)
+        for s, c in plans:
+            rid = s.req.request_id
+            if c.mode == "ngram":  # verified as a greedy draft chain (one-hot draft rows when sampled)
+                self._ngram_step[rid] = self._ngram_proposal[rid][: c.gamma]
+            self._step_decode[rid] = replace(s.req.decode, mode="speculative" if c.mode == "ngram" else c.mode,
+                                             gamma=c.gamma or s.req.decode.gamma)
 
     def _plan_input(self, s: RequestState) -> PlanInput:
         rid, decode = s.req.request_id, s.req.decode

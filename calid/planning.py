@@ -32,6 +32,11 @@ Terms:
                  plus the draft model's catch-up on tokens it has not seen, for the requests it drafts for,
                  target time = verify(sum_i tokens verified: 1 + g for a chain (model or n-gram),
                  1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead).
+  guard          the plan is a model's; StepGuard checks it against what steps really yield: seconds per
+                 output token of the steps that drafted vs of plain steps, per batch size, measured whole
+                 (draft, verify, transport, planning). Where drafting measurably loses, steps run plain (one
+                 in GUARD_EXPLORE still drafts, so the measure follows a workload that changes); where it wins,
+                 one in GUARD_EXPLORE runs plain, so plain's measure stays current.
 """
 from __future__ import annotations
 
@@ -39,6 +44,11 @@ import bisect
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.3  # weight of a new timing in a size's running estimate
+GUARD_MARGIN = 0.02  # drafting loses when its seconds per token exceed plain steps' by more than this share
+GUARD_EXPLORE = 24  # one step in this many goes against the guard's verdict, to keep both measures current
+GUARD_MIN = 3  # steps of each kind measured before the guard judges
+GUARD_PROBE = 4  # until plain steps are measured, one planned drafting step in this many runs plain
+GUARD_SMOOTHING = 0.25
 
 
 @dataclass
@@ -283,3 +293,63 @@ def _nearest(c: Choice, options: list[Choice]) -> Choice:
     """The same kind of choice as deep as ``options`` allow, else ar."""
     same = [o for o in options if o.mode == c.mode and o.gamma <= c.gamma]
     return max(same, key=lambda o: o.gamma, default=AR)
+
+
+@dataclass
+class _Realized:
+    """Running totals of steps of one kind: seconds and output tokens (their ratio: seconds per token)."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    samples: int = 0
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        w = 1.0 if self.samples == 0 else GUARD_SMOOTHING
+        self.seconds += w * (seconds - self.seconds)
+        self.tokens += w * (tokens - self.tokens)
+        self.samples += 1
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens
+
+
+def guard_bucket(requests: int) -> int:
+    """Steps are compared with steps of about as many requests: exact up to 8, then powers of two."""
+    return requests if requests <= 8 else 1 << (requests - 1).bit_length()
+
+
+class StepGuard:
+    """Whether a step may draft as planned, from what drafting and plain steps of its size measurably yield."""
+
+    def __init__(self):
+        self._kinds: dict[tuple[int, bool], _Realized] = {}
+        self._asked: dict[int, int] = {}
+        self.overruled = 0  # planned drafting steps run plain
+
+    def allow(self, requests: int) -> bool:
+        """A step of ``requests`` requests that the planner wants to draft: may it?"""
+        b = guard_bucket(requests)
+        k = self._asked[b] = self._asked.get(b, 0) + 1
+        plain, drafted = self._kinds.get((b, False)), self._kinds.get((b, True))
+        if plain is None or plain.samples < GUARD_MIN:
+            ok = k % GUARD_PROBE != 0
+        elif drafted is None or drafted.samples < GUARD_MIN:
+            ok = True
+        elif drafted.per_token > plain.per_token * (1 + GUARD_MARGIN):
+            ok = k % GUARD_EXPLORE == 0
+        else:
+            ok = k % GUARD_EXPLORE != 0
+        self.overruled += not ok
+        return ok
+
+    def observe(self, requests: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """A whole step (planning, draft, verify, transport) took ``seconds`` and produced ``tokens``."""
+        if tokens > 0 and seconds > 0:
+            self._kinds.setdefault((guard_bucket(requests), drafted), _Realized()).observe(seconds, tokens)
+
+    def summary(self) -> dict[str, float]:
+        """Measured milliseconds per output token by batch bucket and kind (for stats and metrics)."""
+        return {f"{'drafted' if d else 'plain'}@{b}": round(1000 * r.per_token, 2)
+                for (b, d), r in sorted(self._kinds.items())}
+

@@ -239,6 +239,8 @@ class Router:
                 "target_fanout": self.calls.fanout["target"], "step_s": self._step_s,
                 "call_s": dict(self.calls.seconds), "draft_lost": self._draft_lost,
                 "draft_available": self.orch.draft_available, "planned": dict(self.orch.planned),
+                "guard": {"overruled": self.orch.guard.overruled, "ms_per_token": self.orch.guard.summary()}
+                if self.orch.guard is not None else {},
                 "agreement": {"audited_tokens": self.orch.audited[1], "agreed_tokens": self.orch.audited[0],
                               "draft_top1_match": self.orch.agreement.agreement_rate,
                               "calibration": str(self.agreement_calibration or "")},
@@ -420,6 +422,7 @@ class Router:
         self._steps += 1
         if not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
             await self._calibrate()
+        start = time.perf_counter()
         edge = [r for s in states if (r := self._requests.get(s.req.request_id)) is not None and r.edge]
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
                   for r in edge for s in [self.orch.active[r.req.request_id]]}
@@ -441,6 +444,7 @@ class Router:
                 for replica, group, _, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
                     self.orch.observe_verify(sum(1 + len(t.draft) for t in group), seconds, replica)
             self._deliver(self.orch.after_verify(results))
+        self.orch.observe_step(time.perf_counter() - start)
         self._end_rounds(edge, before)
         self._count_tokens(states)
         if self._steps % COST_EXPORT_STEPS == 1:

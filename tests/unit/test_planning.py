@@ -1,7 +1,8 @@
 """The step planner with hand-built cost models: when drafting pays and when it does not."""
 import pytest
 
-from calid.planning import AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, plan_steps, step_rate
+from calid.planning import (AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, guard_bucket, plan_steps,
+                            step_rate)
 
 
 def table(points: dict[int, float]) -> CostTable:
@@ -155,3 +156,77 @@ def test_a_draft_that_must_catch_up_first_pays_for_it_in_the_step():
     assert plan_steps([cold], GPU_LIKE, CHEAP_DRAFT) == [AR]
     assert plan_steps([PlanInput(alpha=0.9, cap=8, ngram=4, ngram_alpha=0.9, draft_setup_s=1.0)], GPU_LIKE,
                       CHEAP_DRAFT) == [Choice("ngram", 4)]  # an n-gram chain needs no draft model
+
+
+# ---- StepGuard: the plan checked against measured steps ------------------------------------------------
+
+def _guard_after(plain_ms: float, drafted_ms: float, requests: int = 4):
+    from calid.planning import GUARD_MIN, StepGuard
+
+    g = StepGuard()
+    for _ in range(GUARD_MIN):
+        g.observe(requests, False, plain_ms * requests / 1000, requests)  # plain: one token per request
+        g.observe(requests, True, drafted_ms * 2 * requests / 1000, 2 * requests)  # drafting: two per request
+    return g
+
+
+def test_the_guard_runs_steps_plain_where_drafting_measurably_loses_and_still_explores():
+    from calid.planning import GUARD_EXPLORE
+
+    g = _guard_after(plain_ms=26.0, drafted_ms=30.0)  # drafting costs 30 ms per token, plain 26
+    verdicts = [g.allow(4) for _ in range(2 * GUARD_EXPLORE)]
+    assert verdicts.count(True) == 2 and g.overruled == 2 * GUARD_EXPLORE - 2
+    assert g.summary() == {"drafted@4": 30.0, "plain@4": 26.0}
+
+
+def test_the_guard_follows_the_planner_where_drafting_wins_with_a_plain_step_now_and_then():
+    from calid.planning import GUARD_EXPLORE
+
+    g = _guard_after(plain_ms=26.0, drafted_ms=15.0)
+    verdicts = [g.allow(4) for _ in range(2 * GUARD_EXPLORE)]
+    assert verdicts.count(False) == 2
+    within_margin = _guard_after(plain_ms=26.0, drafted_ms=26.4)  # 1.5% dearer: inside the 2% margin
+    assert sum(within_margin.allow(4) for _ in range(GUARD_EXPLORE)) == GUARD_EXPLORE - 1
+
+
+def test_the_guard_measures_plain_steps_first_and_judges_each_batch_size_apart():
+    from calid.planning import GUARD_PROBE, StepGuard
+
+    g = StepGuard()
+    assert [g.allow(1) for _ in range(2 * GUARD_PROBE)].count(False) == 2  # probes: one in GUARD_PROBE plain
+    loses = _guard_after(plain_ms=26.0, drafted_ms=40.0, requests=4)
+    assert not loses.allow(4)
+    assert loses.allow(12)  # nothing measured at 12 requests yet: the planner's call
+    assert [guard_bucket(n) for n in (1, 8, 9, 12, 16, 17)] == [1, 8, 16, 16, 16, 32]
+
+
+def test_an_orchestrator_stops_drafting_where_its_steps_measurably_lose():
+    """The planner believes verification is nearly free (so it drafts); the steps it times say otherwise."""
+    from calid.decoding.modes import DecodeParams
+    from calid.generation import GenerationRequest, SamplingParams
+    from calid.orchestrator import Orchestrator
+
+    class Tok:
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    orch = Orchestrator(Tok(), frozenset(), max_position=512, has_draft=True)
+    for size, secs in ((1, 0.020), (64, 0.021)):
+        orch.observe_verify(size, secs)
+    for lanes, secs in ((1, 0.001), (16, 0.0011)):
+        orch.observe_draft(lanes, 1, secs)
+    states = []
+    for rid in "ab":
+        s = orch.start(orch.validate(GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=500), request_id=rid,
+                                                       decode=DecodeParams(mode="auto", gamma=4))))
+        s.stats.target_calls = 1
+        states.append(s)
+    drafted_steps = 0
+    for step in range(60):
+        tasks = orch.draft_tasks(states)
+        drafted_steps += bool(tasks)
+        for s in states:  # one token each, whatever was planned: the drafts never land
+            s.output.append(9)
+            s.token_ids.append(9)
+        orch.observe_step(0.100 if tasks else 0.040)  # and drafting steps cost 2.5x
+    assert orch.guard.overruled > 40 and drafted_steps < 15
