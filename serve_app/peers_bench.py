@@ -5,7 +5,7 @@ prompts, ``ignore_eos`` asked of every server) runs a closed-loop concurrency sw
 other on the same machine and GGUF:
   calid               ``calid serve``'s OpenAI HTTP API, in each of --modes (ar, auto, filter);
   llama-cpp-python    its own OpenAI server (``python -m llama_cpp.server``) over the same llama-cpp-python
-                      build calid uses (it needs the server's web packages: ``pip install 'calid[peers]'``);
+                      build calid uses (it needs the server's web packages: ``pip install 'calid[bench]'``);
   llama-server        llama.cpp's C++ server with continuous batching (``-np`` slots), when --llama-server
                       names its binary (see README: how to build it from the llama-cpp-python sources).
 Then, per server and mode, an open-loop replay of the Azure LLM inference trace (conversation services:
@@ -82,7 +82,7 @@ def run(args) -> int:
     weight_bytes = open_model(cfg.target, log=lambda line: None, show_progress=False).decode_read_bytes
     bandwidth = memory_bandwidth_gbs()
     limit = decode_limit_tok_s(bandwidth, weight_bytes)
-    prompts = humaneval_prompts(max(2 * max(sweep), 8))
+    prompts = humaneval_prompts()  # every point takes the next ones: a prompt never repeats within a server's run
     print(f"bench peers: {cfg.target} ({Path(gguf).name}), {threads} threads; calid modes {modes}; peers {peers}; "
           f"concurrency {sweep}; {args.max_new_tokens} new tokens, greedy; {cpu_summary()}; decode limit "
           f"{limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)", file=sys.stderr)
@@ -166,7 +166,7 @@ class _peer:
                 import fastapi, sse_starlette, starlette_context, uvicorn  # noqa: F401, E401
             except ImportError as e:
                 raise PeerUnavailable(f"llama_cpp.server needs its web packages ({e.name} missing): "
-                                      "pip install 'calid[peers]'") from None
+                                      "pip install 'calid[bench]'") from None
             self.cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", name,
                         "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
                         "--host", "127.0.0.1", "--port", str(port)]
@@ -205,11 +205,13 @@ class _peer:
 
 def _sweep(url: str, model: str, server: str, mode: str, sweep: list[int], prompts: list[str], args) -> list:
     """(server, mode, load, outcomes) per concurrency of the closed-loop sweep."""
-    runs = []
-    asyncio.run(_closed_loop(url, model, mode, server, 1, 1, prompts, 8))  # warm the path (first-call costs)
-    for c in sweep:
-        outs = asyncio.run(_closed_loop(url, model, mode, server, c, args.requests or max(4, 2 * c), prompts,
-                                        args.max_new_tokens))
+    runs, at = [], 1
+    asyncio.run(_closed_loop(url, model, mode, server, 1, prompts[:1], 8))  # warm the path (first-call costs)
+    for c in sweep:  # fresh prompts per point, the same ones for every server: no server answers from a prompt cache
+        n = args.requests or max(4, 2 * c)
+        point = [prompts[(at + i) % len(prompts)] for i in range(n)]
+        at += n
+        outs = asyncio.run(_closed_loop(url, model, mode, server, c, point, args.max_new_tokens))
         runs.append((server, mode, f"c{c}", outs))
         _say(server, mode, f"c{c}", outs)
     return runs
@@ -305,15 +307,16 @@ def _rows(runs: list, slo_scale: float, limit: float) -> tuple[list[dict], objec
     return rows, slo
 
 
-async def _closed_loop(url: str, model: str, mode: str, server: str, clients: int, n: int, prompts: list[str],
+async def _closed_loop(url: str, model: str, mode: str, server: str, clients: int, prompts: list[str],
                        max_new: int) -> list:
+    """Each of ``prompts`` once, by ``clients`` clients that each send their next when the last one ends."""
     from openai import AsyncOpenAI
 
-    todo, out = list(range(n)), []
+    todo, out = list(range(len(prompts)))[::-1], []
     async with AsyncOpenAI(base_url=url, api_key="none", timeout=1800, max_retries=0) as client:
         async def worker():
             while todo:
-                prompt = prompts[todo.pop() % len(prompts)]
+                prompt = prompts[todo.pop()]
                 out.append(await _one(client, model, server, mode, max_new, messages=[{"role": "user",
                                                                                         "content": prompt}]))
 
