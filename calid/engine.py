@@ -136,11 +136,10 @@ class Engine:
         yield from events
 
     def set_costs(self, verify, draft) -> None:
-        """Use these cost tables (calid.planning.CostTable) for the auto mode instead of measuring; the planner's
-        plans are then followed as made (no StepGuard: nothing measured second-guesses them)."""
+        """Use these cost tables (calid.planning.CostTable) for the auto mode instead of measuring (see
+        Orchestrator.pin_costs)."""
         self._calibrated = True
-        self.orchestrator.guard = None
-        self.orchestrator.verify_cost, self.orchestrator.draft_cost = verify, draft
+        self.orchestrator.pin_costs(verify, draft)
 
     def calibrate(self) -> None:
         """Measure target and draft forward costs once, for the auto mode's planner."""

@@ -57,6 +57,7 @@ class Orchestrator:
         # verify_cost pools every target forward; a server with several target replicas also keeps one table per
         # replica (seeded from the pooled one) and says, through replica_of, which replica holds a request
         self.verify_cost, self.draft_cost = CostTable(), CostTable()
+        self.costs_pinned = False  # pin_costs: the tables are given, timings no longer change them
         self.replica_costs: dict[Hashable, CostTable] = {}
         self.replica_of: Callable[[Hashable], Hashable | None] = lambda request_id: None
         self._acceptance: dict[Hashable, Acceptance] = {}
@@ -152,9 +153,17 @@ class Orchestrator:
 
     # ---- the planner's measurements -------------------------------------------------
 
+    def pin_costs(self, verify: CostTable, draft: CostTable) -> None:
+        """Plan with these cost tables as given: timings no longer change them and plans are followed as made
+        (no StepGuard: nothing measured second-guesses them)."""
+        self.verify_cost, self.draft_cost = verify, draft
+        self.costs_pinned, self.guard = True, None
+
     def observe_verify(self, tokens: int, seconds: float, replica: Hashable | None = None) -> None:
         """A target forward over ``tokens`` new tokens took ``seconds`` (caller-measured, transport included),
         on ``replica`` (None: the only one, or a calibration, which also fills the sizes a replica's table lacks)."""
+        if self.costs_pinned:
+            return
         if replica is not None:
             pooled = self.verify_cost
             table = self.replica_costs.setdefault(replica, CostTable(list(pooled.sizes), list(pooled.seconds)))
@@ -171,7 +180,7 @@ class Orchestrator:
 
     def observe_draft(self, sequences: int, depth: int, seconds: float) -> None:
         """A draft call over ``sequences`` requests ``depth`` forwards deep took ``seconds``."""
-        if depth > 0:
+        if depth > 0 and not self.costs_pinned:
             self.draft_cost.observe(sequences, seconds / depth)
 
     def observe_step(self, seconds: float) -> None:

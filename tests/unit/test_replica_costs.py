@@ -71,3 +71,19 @@ def test_a_replica_timed_before_the_calibration_still_gets_its_sizes():
     assert table(8) == 0.184
     states = _active(orch, ["a"])
     assert [t.request_id for t in orch.draft_tasks(states)] == ["a"]  # verifying a chain now pays: it drafts
+
+
+def test_pinned_cost_tables_ignore_timings_and_the_guard():
+    """Engine.set_costs pins the tables: a test or an operator that gives them gets its plans as priced (timings
+    fed back into a pinned table made a real-model test's plan follow the machine's load)."""
+    from calid.planning import CostTable
+
+    orch = _orchestrator({})
+    verify, draft = CostTable(), CostTable()
+    for size, secs in ((1, 0.020), (8, 0.022)):
+        verify.observe(size, secs)
+    draft.observe(1, 0.001)
+    orch.pin_costs(verify, draft)
+    orch.observe_verify(8, 0.500)
+    orch.observe_draft(1, 1, 0.300)
+    assert (orch.verify_cost(8), orch.draft_cost(1)) == (0.022, 0.001) and orch.guard is None
