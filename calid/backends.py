@@ -139,12 +139,14 @@ class OpenModel:
 
 def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
-               log=None, graphs: str = "off", invariant: bool | None = None) -> OpenModel:
+               log=None, graphs: str = "off", invariant: bool | None = None,
+               prompt_cache: bool = True) -> OpenModel:
     """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why. ``graphs``: a
     torch model's decode graphs (ModelRunner's ``graphs``); ``invariant``: batch-invariant forwards (a row's
     logits depend only on its own sequence): a torch ModelRunner's ``invariant``, a llama.cpp runner's exact
     mode (forwards cut into calls of at most 3 rows); None: each backend's default (llama.cpp exact, torch
-    not)."""
+    not). ``prompt_cache``: a batched llama.cpp runner keeps released streams for the prefixes of later
+    sequences (LlamaCppRunner; never in exact mode)."""
     chosen, why = pick_backend(backend, spec, device)
     say = log or (lambda line: print(line, file=sys.stderr))
     if chosen == "llamacpp":
@@ -154,7 +156,8 @@ def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: st
 
         gguf = gguf_file(spec, show_progress)
         folder = gguf_companion(spec, gguf)
-        runner = LlamaCppRunner(gguf, kv_budget_bytes, threads, exact=invariant is not False)
+        exact = invariant is not False
+        runner = LlamaCppRunner(gguf, kv_budget_bytes, threads, exact=exact, prompt_cache=prompt_cache and not exact)
         tokenizer = load_tokenizer(folder)
         say(f"[calid] {spec}: llama.cpp ({why}), {runner.describe()}")
         return OpenModel(spec, "llamacpp", "gguf", runner, tokenizer, eos_token_ids(folder, tokenizer), folder,
@@ -172,7 +175,7 @@ def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: st
 
 def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
-               log=None, invariant: bool | None = None) -> OpenModel:
+               log=None, invariant: bool | None = None, prompt_cache: bool = True) -> OpenModel:
     """A draft for ``target`` (an OpenModel, or the target's spec where it runs elsewhere): a model spec,
     or ``self:N``, the target's first N layers, always on torch (llama.cpp cannot run a subset of a
     model's layers)."""
@@ -183,7 +186,7 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
     layers = parse_self_draft(spec)
     if layers is None:
         draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log,
-                           invariant=invariant)
+                           invariant=invariant, prompt_cache=prompt_cache)
         if isinstance(target, OpenModel):
             check_vocab(target, draft)
         return draft

@@ -77,10 +77,13 @@ def run(args) -> int:
     n, new = (20, 64) if args.full else (args.requests, args.max_new_tokens)
     if n < 1 or new < 1 or args.concurrency < 1:
         raise CalidError("--requests, --max-new-tokens and --concurrency must be >= 1")
-    cfg = AppConfig(grpc_port=args.port, http_port=0, max_active=args.concurrency) if args.qwen else \
-        AppConfig.small(grpc_port=args.port, http_port=0, max_active=args.concurrency)
-    target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant)
-    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant)
+    # every mode runs the same prompts: no prompt cache, or a mode after the first would skip its prefills
+    cfg = (AppConfig if args.qwen else AppConfig.small)(grpc_port=args.port, http_port=0, max_active=args.concurrency,
+                                                       prompt_cache=False)
+    target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant,
+                        prompt_cache=cfg.prompt_cache)
+    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant,
+                       prompt_cache=cfg.prompt_cache)
     engine = Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=args.concurrency,
                     max_forward_tokens=cfg.max_forward_tokens)
     texts = humaneval_prompts(max(n, args.concurrency))

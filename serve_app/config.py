@@ -109,6 +109,11 @@ class AppConfig(BaseModel):
                                   "8-60% slower on a 2-core CPU (calid bench invariance); llama.cpp: exact mode, every "
                                   "forward cut into calls of at most 3 rows, ~2.4x less throughput at 12 concurrent "
                                   "requests on K-quant GGUFs (calid bench modes). Off: one llama.cpp call per forward")
+    prompt_cache: bool = Field(True, description="llama.cpp workers in batched mode keep a finished request's KV "
+                               "until its slot is needed, and a new request sharing its prefix (a chat's system "
+                               "prompt, a conversation's earlier turns) prefills only the rest. Its rows come from "
+                               "another forward's shape, so near-tie greedy tokens may differ from a fresh "
+                               "prefill's; batch_invariant turns it off")
     cuda_graphs: bool = Field(False, description="a CUDA target replays its decode steps from captured CUDA graphs "
                               "(batch buckets 1-32; calid.runtime.graphs); not for TP/PP groups")
     target_backend: str = Field("auto", description="auto: llama.cpp on CPU for GGUF models, torch on CUDA, "

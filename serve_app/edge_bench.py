@@ -57,7 +57,9 @@ def run(args) -> int:
     if args.clients < 1 or args.max_new_tokens < 1 or args.draft_threads < 1:
         raise CalidError("--clients, --max-new-tokens and --draft-threads must be >= 1")
     base = AppConfig.small if args.small else AppConfig
-    cfg = base(grpc_port=args.port, http_port=0, max_active=max(16, args.clients), queue_capacity=max(64, args.clients))
+    # every run sends the same prompts: no prompt cache, or a run after the first would skip its prefills
+    cfg = base(grpc_port=args.port, http_port=0, max_active=max(16, args.clients), queue_capacity=max(64, args.clients),
+               prompt_cache=False)
     target_bytes = open_model(cfg.target, cfg.target_backend, cfg.dtype, log=lambda line: None).decode_read_bytes
     prompts = humaneval_prompts(args.clients)
     runs = [("ar", None)] + [(m, where) for m in modes for where in ("cluster", "edge")]

@@ -73,7 +73,9 @@ def run(args) -> int:
 
     if args.concurrency < 1 or args.rounds < 1 or args.max_new_tokens < 2:
         raise CalidError("--concurrency and --rounds must be >= 1, --max-new-tokens >= 2")
-    over = dict(grpc_port=args.port, http_port=args.http_port, draft=None, max_active=args.concurrency)
+    # both front-ends run the same prompts: no prompt cache, or the second path would skip its prefills
+    over = dict(grpc_port=args.port, http_port=args.http_port, draft=None, max_active=args.concurrency,
+                prompt_cache=False)
     cfg = AppConfig(**over) if args.qwen else AppConfig.small(**over)
     model = served_name(cfg.target)
     c, new = args.concurrency, args.max_new_tokens

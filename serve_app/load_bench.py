@@ -87,7 +87,8 @@ def run(args) -> int:
 
     modes, sweep, rates = _options(args)
     base = AppConfig.small if args.small else AppConfig
-    cfg = base(grpc_port=args.port, http_port=0, max_active=max(16, max(sweep)), queue_capacity=256)
+    # every mode replays the same prompts: no prompt cache, or a mode after the first would skip its prefills
+    cfg = base(grpc_port=args.port, http_port=0, max_active=max(16, max(sweep)), queue_capacity=256, prompt_cache=False)
     _, folder = model_facts(cfg.target, cfg.target_backend, cfg.target_on, cfg.sharded, show_progress=False)
     tokenizer = load_tokenizer(folder)
     corpus = tokenizer("\n\n".join(humaneval_prompts()), add_special_tokens=False)["input_ids"]

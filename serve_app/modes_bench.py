@@ -72,11 +72,14 @@ def run(args) -> int:
     modes, workloads, sweep = _options(args)
     top = max(sweep)
     base = AppConfig.small if args.small else AppConfig
-    cfg = base(grpc_port=args.port, http_port=0, max_active=top, queue_capacity=max(64, top))
+    # every mode runs the same prompts: no prompt cache, or each point after the first would skip its prefill
+    cfg = base(grpc_port=args.port, http_port=0, max_active=top, queue_capacity=max(64, top), prompt_cache=False)
     if args.batch_invariant is not None:
         cfg = cfg.model_copy(update={"batch_invariant": args.batch_invariant == "on"})
-    target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant)
-    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant)
+    target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant,
+                        prompt_cache=cfg.prompt_cache)
+    draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant,
+                       prompt_cache=cfg.prompt_cache)
     engine = None if args.no_inproc else Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner,
                                                 max_batch=top, max_forward_tokens=cfg.max_forward_tokens)
     texts = {"humaneval": humaneval_prompts(top), "grounded": grounded_prompts(top)}

@@ -201,12 +201,14 @@ class _WorkerBase:
     async def stats(self) -> dict:
         """Counters for tests, the demo and benches: batches run, the largest batch, live KV caches, and the
         runner's tokens fed and, of those, ids its cache did not hold (``recomputed_tokens``: new prompts and
-        caches lost to eviction; sharded replicas report neither)."""
+        caches lost to eviction), and prompt ids taken over from other sequences' caches (``reused_tokens``: live
+        sequences and llama.cpp's prompt cache); sharded replicas report none of these."""
         cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
         runner = getattr(getattr(self, "_runner", None), "stats", None)
         return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending,
                 "busy_s": self._busy_s, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
-                **({"tokens": runner.tokens, "recomputed_tokens": runner.recomputed_tokens} if runner else {})}
+                **({"tokens": runner.tokens, "recomputed_tokens": runner.recomputed_tokens,
+                     "reused_tokens": runner.reused_tokens} if runner else {})}
 
     def _cached(self) -> int:
         return self._runner.cached_count()
@@ -239,7 +241,8 @@ class DraftDeployment(_WorkerBase):
         self._setup(config)
         cfg = self.cfg
         lm = open_draft(cfg.draft, cfg.target, cfg.draft_backend, cfg.dtype, cfg.draft_on, self._kv_budget,
-                        cfg.worker_threads, show_progress=False, log=_log, invariant=cfg.batch_invariant)
+                        cfg.worker_threads, show_progress=False, log=_log, invariant=cfg.batch_invariant,
+                        prompt_cache=cfg.prompt_cache)
         self._runner = lm.runner
         self.worker = DraftWorker(self._runner, lm.eos_ids, max_forward_tokens=cfg.max_forward_tokens)
 
@@ -273,7 +276,7 @@ class TargetDeployment(_WorkerBase):
             return
         lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,
                         show_progress=False, log=_log, graphs="cuda" if cfg.cuda_graphs else "off",
-                        invariant=cfg.batch_invariant)
+                        invariant=cfg.batch_invariant, prompt_cache=cfg.prompt_cache)
         self._runner = lm.runner
         self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)
 

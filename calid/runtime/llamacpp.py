@@ -16,7 +16,10 @@ greedy speculative, tree and Lookahead decoding reproduce ``ar`` token for token
 * rollback to any length is ``llama_memory_seq_rm`` of the tail;
 * prefix reuse: a new sequence copies the stream of the live sequence that
   shares the longest prefix with it (same cell layout, so same numerics) and
-  trims it, instead of recomputing;
+  trims it, instead of recomputing; in batched mode a released sequence's
+  stream also stays in its slot until the slot is needed (a prompt cache: the
+  next chats with the same system prompt, or the next turn of a conversation,
+  copy its prefix instead of prefilling it);
 * token trees (``SeqInput.ancestors``): one slot per branch (root-to-leaf
   path; calid.runtime.seq_cover checks the mask is exactly that): the first
   is fed in the sequence's own slot, each other in a copy of its stream, every
@@ -106,7 +109,8 @@ class LlamaCppRunner:
     backend = "llamacpp"
 
     def __init__(self, gguf: str | Path, kv_budget_bytes: int | None = None, threads: int | None = None,
-                 slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True):
+                 slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True,
+                 prompt_cache: bool | None = None):
         lib = self._lib = _lib()
         gguf = Path(gguf)
         if not gguf.is_file():
@@ -127,6 +131,9 @@ class LlamaCppRunner:
         self.slots = slots
         self.threads = threads or default_threads()
         self.exact = exact
+        # released streams kept for their prefixes; off in exact mode, where a prefix computed as another
+        # request's decode steps would not be the rows a prefill of this request computes
+        self.prompt_cache = not exact if prompt_cache is None else prompt_cache
         self.n_batch = n_batch
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = self.cells_per_slot * slots
@@ -143,6 +150,7 @@ class LlamaCppRunner:
         self._mem = lib.llama_get_memory(self._ctx)
         self._seqs: OrderedDict[Hashable, _Seq] = OrderedDict()  # least recently used first
         self._free = list(range(slots - 1, -1, -1))
+        self._kept: OrderedDict[int, list[int]] = OrderedDict()  # prompt cache: slot -> ids it holds, LRU first
         self._synced: set = set()  # synced since the last forward: never evicted before it runs
         self._batch = None
         self._batch_cap = 0
@@ -214,7 +222,14 @@ class LlamaCppRunner:
         if s is None:
             return
         self._settle(s)
-        self._free_slot(s.slot)
+        if self.prompt_cache and len(s.tokens) >= MIN_BORROW:
+            self._kept[s.slot] = s.tokens  # until a new sequence takes its prefix or needs its slot
+        else:
+            self._free_slot(s.slot)
+
+    def kept_count(self) -> int:
+        """Released streams the prompt cache holds."""
+        return len(self._kept)
 
     def compact(self, seq_id: Hashable, rows: list[int], start: int) -> None:
         """After a tree forward: keep cache rows ``rows`` (the accepted path, absolute) after ``start``.
@@ -416,6 +431,8 @@ class LlamaCppRunner:
         return s
 
     def _take_slot(self, pinned: set) -> int:
+        if not self._free and self._kept:  # the prompt cache gives up its least recently kept stream first
+            self._free_slot(self._kept.popitem(last=False)[0])
         while not self._free:
             if not self._evict_one(pinned):
                 raise LlamaCppError(f"a forward needs more than {self.slots} sequences and tree branches; "
@@ -431,19 +448,25 @@ class LlamaCppRunner:
         del s.tokens[keep:]
 
     def _borrow(self, s: _Seq, token_ids: list[int], cap: int) -> int:
-        """Copy the stream of the live sequence sharing the longest prefix with ``token_ids``; its length."""
-        best, donor = 0, None
-        for other in self._seqs.values():
-            if other is not s and other.tree is None:
-                n = _common_prefix(other.tokens, token_ids)
-                if n > best:
-                    best, donor = n, other
+        """Copy the stream sharing the longest prefix with ``token_ids``, among the live sequences and the prompt
+        cache (a kept stream stays kept: requests that arrive together all take the same system prompt); its
+        length."""
+        best, donor = 0, None  # donor: (slot, the ids it holds, kept)
+        live = [(o.slot, o.tokens, False) for o in self._seqs.values() if o is not s and o.tree is None]
+        for slot, ids, kept in live + [(slot, ids, True) for slot, ids in self._kept.items()]:
+            n = _common_prefix(ids, token_ids)
+            if n > best:
+                best, donor = n, (slot, ids, kept)
         best = min(best, cap)
         if donor is None or best < MIN_BORROW:
             return 0
-        self._copy_stream(donor.slot, s.slot)
-        s.tokens = list(donor.tokens)
+        slot, ids, kept = donor
+        if kept:
+            self._kept.move_to_end(slot)
+        self._copy_stream(slot, s.slot)
+        s.tokens = list(ids)
         self._trim(s, best)
+        self.stats.reused_tokens += best
         return best
 
     def _evict_one(self, pinned: set) -> bool:

@@ -42,6 +42,7 @@ class RunnerStats:
     forwards: int = 0
     tokens: int = 0
     recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
+    reused_tokens: int = 0  # prompt tokens taken over from another sequence's cache instead of computed
 
 
 KV_LAYOUTS = ("paged", "contiguous")

@@ -288,6 +288,7 @@ def test_a_forward_reaches_llama_cpp_in_slot_order_and_answers_in_input_order(ll
     decode step of 12 on the Qwen 1.5B), so every call is sent in slot order, and each input still gets its
     own logits back."""
     batched = open_model(TEST_MODEL, backend="llamacpp", invariant=False, **QUIET).runner
+    batched.prompt_cache = False  # released slots go back to the free list (the case that reversed them)
     ids = ids_of(ll, prompts)
     first = [("first", i) for i in range(len(ids))]
     batched.forward([SeqInput(s, list(x)) for s, x in zip(first, ids)])
@@ -306,3 +307,33 @@ def test_a_forward_reaches_llama_cpp_in_slot_order_and_answers_in_input_order(ll
     for s, x, got in zip(seqs, ids, step):
         alone = batched.forward([SeqInput(("alone",) + s, list(x) + [42, 7], logits_at=[len(x), len(x) + 1])])[0]
         assert torch.equal(got, alone)
+
+
+def test_batched_mode_keeps_released_prompts_until_their_slots_are_needed(ll, prompts):
+    """A prompt cache: a released sequence's stream stays in its slot; new sequences sharing its prefix (a chat's
+    system prompt, a conversation's next turn) copy it and feed only the rest, with the logits a fresh prefill
+    gives; when slots run out, kept streams go before any live sequence; exact mode keeps nothing (a prefix
+    computed as decode steps is not what a prefill computes)."""
+    cached = LlamaCppRunner(ll.runner.path, slots=3, exact=False)
+    fresh = LlamaCppRunner(ll.runner.path, slots=3, exact=False, prompt_cache=False)
+    a, b = ids_of(ll, prompts)[:2]
+    turn = a + [42, 7] + b[:5]  # the first request's prompt and answer, then more
+    cached.forward([SeqInput("a", cached.sync("a", a))])
+    cached.forward([SeqInput("a", [42])])
+    cached.release("a")
+    assert cached.kept_count() == 1 and cached.cached_count() == 0
+    todo = cached.sync("next", turn)
+    assert todo == turn[len(a) + 1:] and cached.stats.reused_tokens == len(a) + 1 and cached.kept_count() == 1
+    got = cached.forward([SeqInput("next", todo)])[0]
+    assert torch.equal(got, fresh.forward([SeqInput("next", fresh.sync("next", turn))])[0])
+    assert fresh.kept_count() == 0 and fresh.stats.reused_tokens == 0
+
+    for seq in ("b", "c"):  # 3 slots: "c" takes the kept stream's
+        cached.forward([SeqInput(seq, cached.sync(seq, b))])
+    assert cached.kept_count() == 0 and cached.evictions == 0 and cached.cached_count() == 3
+    cached.release("next")
+    cached.forward([SeqInput("d", cached.sync("d", a[:8]))])
+    assert cached.kept_count() == 0 and cached.evictions == 0 and cached.cached_count() == 3
+    assert not ll.runner.prompt_cache
+    for runner in (cached, fresh):
+        runner.close()
