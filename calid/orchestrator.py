@@ -248,7 +248,9 @@ class Orchestrator:
         drafts = any(c.mode != "ar" for _, c in plans)
         if drafts and self.guard is not None and not self.guard.allow(len(states)):  # drafting measurably loses at this size: run plain
             plans, drafts = [(s, AR) for s, _ in plans], False
-        if not any(s.prefilling for s in states):  # a prefill chunk's time says nothing of decoding
+        # a step that prefills (a new request's whole prompt, or a chunk of it) says nothing of decoding: under a
+        # closed loop at 8 requests such steps made plain steps read 137 ms per token instead of ~28
+        if all(s.stats.target_calls for s in states):
             self._timed_step = (states, drafts, sum(len(s.output) for s in states))
         self.planned.update(c.mode for _, c in plans)
         for s, c in plans:

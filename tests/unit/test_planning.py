@@ -230,3 +230,29 @@ def test_an_orchestrator_stops_drafting_where_its_steps_measurably_lose():
             s.token_ids.append(9)
         orch.observe_step(0.100 if tasks else 0.040)  # and drafting steps cost 2.5x
     assert orch.guard.overruled > 40 and drafted_steps < 15
+
+
+def test_steps_that_prefill_a_new_request_are_not_timed_by_the_guard():
+    """A new request's first step is its prompt's prefill (one forward when the prompt fits in the forward
+    budget): seconds of it, one token out. Timed as a decode step, it made plain steps look 5x dearer than they
+    are whenever requests kept arriving, and drafting look like a win."""
+    from calid.decoding.modes import DecodeParams
+    from calid.generation import GenerationRequest, SamplingParams
+    from calid.orchestrator import Orchestrator
+
+    class Tok:
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    orch = Orchestrator(Tok(), frozenset(), max_position=512, has_draft=False)
+    old, new = (orch.start(orch.validate(GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=50),
+                                                          request_id=rid, decode=DecodeParams(mode="auto"))))
+                for rid in "ab")
+    old.stats.target_calls = 1
+    for states, secs in (([old, new], 1.5), ([old], 0.03), ([old, new], 1.5)):
+        orch.draft_tasks(states)
+        for s in states:
+            s.output.append(9)
+            s.token_ids.append(9)
+        orch.observe_step(secs)
+    assert orch.guard.summary() == {"plain@1": 30.0}  # only the decode step of the old request alone
