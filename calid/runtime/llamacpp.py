@@ -451,17 +451,17 @@ class LlamaCppRunner:
         """Copy the stream sharing the longest prefix with ``token_ids``, among the live sequences and the prompt
         cache (a kept stream stays kept: requests that arrive together all take the same system prompt); its
         length."""
-        best, donor = 0, None  # donor: (slot, the ids it holds, kept)
-        live = [(o.slot, o.tokens, False) for o in self._seqs.values() if o is not s and o.tree is None]
-        for slot, ids, kept in live + [(slot, ids, True) for slot, ids in self._kept.items()]:
+        best, donor = 0, None  # donor: (slot, the ids it holds)
+        live = [(o.slot, o.tokens) for o in self._seqs.values() if o is not s and o.tree is None]
+        for slot, ids in live + list(self._kept.items()):
             n = _common_prefix(ids, token_ids)
             if n > best:
-                best, donor = n, (slot, ids, kept)
+                best, donor = n, (slot, ids)
         best = min(best, cap)
         if donor is None or best < MIN_BORROW:
             return 0
-        slot, ids, kept = donor
-        if kept:
+        slot, ids = donor
+        if slot in self._kept:
             self._kept.move_to_end(slot)
         self._copy_stream(slot, s.slot)
         s.tokens = list(ids)
