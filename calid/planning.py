@@ -34,9 +34,10 @@ Terms:
                  1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead).
   guard          the plan is a model's; StepGuard checks it against what steps really yield: seconds per
                  output token of the steps that drafted vs of plain steps, per batch size, measured whole
-                 (draft, verify, transport, planning). Where drafting measurably loses, steps run plain (one
-                 in GUARD_EXPLORE still drafts, so the measure follows a workload that changes); where it wins,
-                 one in GUARD_EXPLORE runs plain, so plain's measure stays current.
+                 (draft, verify, transport, planning). Drafting must measurably win (by GUARD_MARGIN): where it
+                 does not, ties included, steps run plain (one in GUARD_EXPLORE still drafts, so the measure
+                 follows a workload that changes), since a server's own choice must never cost more than plain
+                 decoding; where it wins, one in GUARD_EXPLORE runs plain, so plain's measure stays current.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ import bisect
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.3  # weight of a new timing in a size's running estimate
-GUARD_MARGIN = 0.02  # drafting loses when its seconds per token exceed plain steps' by more than this share
+GUARD_MARGIN = 0.03  # drafting must measure at least this share faster per token than plain steps to run
 GUARD_EXPLORE = 24  # one step in this many goes against the guard's verdict, to keep both measures current
 GUARD_MIN = 3  # steps of each kind measured before the guard judges
 GUARD_PROBE = 4  # until plain steps are measured, one planned drafting step in this many runs plain
@@ -336,7 +337,7 @@ class StepGuard:
             ok = k % GUARD_PROBE != 0
         elif drafted is None or drafted.samples < GUARD_MIN:
             ok = True
-        elif drafted.per_token > plain.per_token * (1 + GUARD_MARGIN):
+        elif drafted.per_token > plain.per_token * (1 - GUARD_MARGIN):  # not measurably faster: a tie is plain's
             ok = k % GUARD_EXPLORE == 0
         else:
             ok = k % GUARD_EXPLORE != 0
