@@ -106,20 +106,40 @@ class _Scorer:
         return attainment(self.problem, placement)
 
 
+def unplaced(problem: Problem, placement: Placement) -> list[str]:
+    """The models the problem serves that no group of ``placement`` hosts."""
+    hosted = {m for g in placement.groups for m in g.models}
+    return sorted(m for m in problem.profiles if m not in hosted)
+
+
+def _rank(problem: Problem, placement: Placement, attainment: float) -> tuple[bool, float]:
+    """Placements that host every model first, then by attainment."""
+    return not unplaced(problem, placement), attainment
+
+
 def greedy(problem: Problem, groups: list[Group], score: Callable,
            patience: int = 2) -> tuple[Placement, float, dict[str, float]]:
     """AlpaServe's greedy model selection on fixed ``groups`` (they may already host models): add the best
     replica each round while one fits; stop after ``patience`` rounds in a row without a better attainment
-    (a replica that does not help at once can, with the next one); return the best placement seen."""
+    (a replica that does not help at once can, with the next one); return the best placement seen.
+
+    A served model must be reachable: a placement that leaves one out (AlpaServe's objective alone may, when
+    its few requests are not worth a replica's memory) ranks below every placement that hosts all, and once
+    the search goes stale it goes on with the left-out models' replicas only, until each has one or none fits."""
     placement = Placement(tuple(groups))
     current, per_model = score(placement)
     best = (placement, current, per_model)
-    stale = 0
-    while stale < patience:
+    stale, covering = 0, False
+    while True:
+        if stale >= patience and not covering:
+            if not unplaced(problem, best[0]):
+                break
+            covering, (placement, current, per_model) = True, best  # go on from the best, placing the rest
+        # a model that meets every SLO already gains nothing from another replica
+        short = (unplaced(problem, placement) if covering else
+                 sorted(m for m in problem.profiles if per_model.get(m, 1.0) < 1.0))
         seen: set[tuple[Group, str]] = set()
         candidates: list[Placement] = []
-        # a model that meets every SLO already gains nothing from another replica
-        short = sorted(m for m in problem.profiles if per_model.get(m, 1.0) < 1.0)
         for i, g in enumerate(placement.groups):
             for m in short:
                 if m in g.models or (g, m) in seen:
@@ -132,8 +152,8 @@ def greedy(problem: Problem, groups: list[Group], score: Callable,
             break
         (current, per_model), placement = max(((score(c), c) for c in candidates),
                                               key=lambda s: (s[0][0], -_used(problem, s[1])))
-        if current > best[1]:
-            best, stale = (placement, current, per_model), 0
+        if _rank(problem, placement, current) > _rank(problem, *best[:2]):
+            best, stale, covering = (placement, current, per_model), 0, False
         else:
             stale += 1
     return best
@@ -159,7 +179,7 @@ def alpaserve(problem: Problem) -> Plan:
             groups = [Group(cfg) for _ in range(problem.devices // size)]
             placement, att, pm = greedy(problem, groups, score)
             tried.append((f"{problem.devices // size} x {cfg}", att))
-            if best is None or att > best.attainment:
+            if best is None or _rank(problem, placement, att) > _rank(problem, best.placement, best.attainment):
                 best = Plan("alpaserve", placement, att, pm)
         size *= 2
     if best is None:

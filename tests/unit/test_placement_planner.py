@@ -214,6 +214,27 @@ def test_a_steady_heavy_model_gets_a_group_of_its_own():
     assert plan.attainment > 0.9
 
 
+def test_every_model_gets_a_replica_even_where_attainment_alone_would_leave_it_out():
+    """One device, memory for both models together, and a rare, slow model whose steps would make the busy
+    model's requests miss: attainment alone is highest with the rare model left out (its few requests miss,
+    the busy model's all meet), but a model the app serves must be reachable, so both share the device."""
+    profiles = {"busy": model("busy", 0.4, 0.01), "rare": model("rare", 0.4, 0.2)}
+    problem = _problem(profiles, 1, 1.0, {"busy": 8.0, "rare": 0.05}, cv=1.0, slo_scale=2.0, duration=60.0)
+    without_rare = planner.attainment(problem, Placement((Group(ONE, ("busy",)),)))[0]
+    with_both = planner.attainment(problem, Placement((Group(ONE, ("busy", "rare")),)))[0]
+    assert without_rare > with_both  # the case this test is about: the objective prefers leaving it out
+    for plan in (planner.alpaserve(problem), planner.replication(problem)):
+        assert planner.unplaced(problem, plan.placement) == [], str(plan.placement)
+        assert plan.attainment == pytest.approx(with_both)
+
+
+def test_a_model_that_fits_nowhere_stays_unplaced_and_the_rest_are_still_planned():
+    profiles = {"small": model("small", 0.5, 0.01), "huge": model("huge", 3.0, 0.01)}
+    problem = _problem(profiles, 2, 1.0, {"small": 2.0, "huge": 0.5}, cv=1.0)
+    plan = planner.replication(problem)
+    assert planner.unplaced(problem, plan.placement) == ["huge"] and plan.per_model["small"] > 0.9
+
+
 def test_the_search_never_does_worse_than_replication_and_reports_its_cost():
     configs = [ONE, Config(2, 1), Config(1, 2)]
     profiles = {m: model(m, 0.6, s, configs, tp_eff=0.8) for m, s in (("a", 0.02), ("b", 0.01), ("c", 0.005))}
