@@ -149,7 +149,7 @@ def run_live(args, problem, plans: dict, profiles: dict, port: int) -> list[dict
             # the same prediction with each model's steps as long as they were through the served app alone
             served_problem = replace(problem, profiles=with_overhead(problem.profiles, overhead))
             predicted = simulate(plan.placement, served_problem.profiles, problem.requests, problem.max_batch,
-                                 problem.overlap)
+                                 problem.overlap, problem.corun)
             sim_s, sim_s_per = attainment_of(served_problem, predicted)
             _save_outcomes(Path(args.out) / f"placement-live-{name}.jsonl", problem, outcomes, predicted)
             errors = sum(o.error is not None for o in outcomes)

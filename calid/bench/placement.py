@@ -64,6 +64,9 @@ def add_parser(sub) -> None:
     p.add_argument("--overlap", action="store_true",
                    help="what-if: pipelined steps of one model overlap (vLLM's virtual engines), which calid's "
                         "pipeline does not do (it cuts one step into micro-batches)")
+    p.add_argument("--corun", type=float, default=None,
+                   help="a device's step time with every other device busy / alone (default: live, the profile's "
+                        "measure of this machine's cores; simulated, 1.0: independent devices such as GPUs)")
     p.add_argument("--plot", action="store_true", help="also sweep rate, CV and SLO scale and save a PNG")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     p.add_argument("--out", default="bench_results")
@@ -106,6 +109,58 @@ def measure_model(spec: str, tokens: int = 16, prompt_tokens: int = 128):
     return Latency(BATCHES, tuple(steps), prefill), m.decode_read_bytes
 
 
+def _corun_job(spec: str, core: int, tokens: int, start, out) -> None:
+    """One process: the model on one thread pinned to ``core``; after ``start`` (a barrier), its batch-1 decode
+    step time goes to ``out``."""
+    import os
+
+    from calid.backends import open_model
+    from calid.engine import Engine
+
+    os.sched_setaffinity(0, {core})
+    m = open_model(spec, threads=1, show_progress=False, log=lambda line: None)
+    engine = Engine(m.runner, m.tokenizer, m.eos_ids, max_batch=1)
+    prompt = [[(7 * j) % 1000 + 5 for j in range(8)]]
+    _timed_generate(engine, prompt, 2)  # warm-up
+    start.wait()
+    out.put((core, (_timed_generate(engine, prompt, tokens + 1) - _timed_generate(engine, prompt, 1)) / tokens))
+
+
+def _corun_steps(spec: str, cores: list[int], tokens: int) -> list[float]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(len(cores)), ctx.Queue()
+    procs = [ctx.Process(target=_corun_job, args=(spec, c, tokens, start, out), daemon=True) for c in cores]
+    for p in procs:
+        p.start()
+    try:
+        steps = [out.get(timeout=600)[1] for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    return steps
+
+
+def measure_corun(spec: str = "qwen2.5-coder-0.5b-instruct", tokens: int = 32, rounds: int = 2) -> tuple[float, dict]:
+    """How much longer a one-thread decode step takes on core 0 when every core runs one too (each its own
+    process, pinned): the devices' co-run slowdown (calid.placement.simulator). Rounds alternate alone and
+    together; the ratio of their medians."""
+    import os
+    import statistics
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return 1.0, {"cores": len(cores)}
+    alone, together = [], []
+    for _ in range(rounds):
+        alone += _corun_steps(spec, cores[:1], tokens)
+        together += _corun_steps(spec, cores, tokens)
+    ratio = max(1.0, statistics.median(together) / statistics.median(alone))
+    return round(ratio, 3), {"alone_ms": round(1000 * statistics.median(alone), 1),
+                             "together_ms": round(1000 * statistics.median(together), 1), "cores": len(cores)}
+
+
 def measure_parallel_costs(model: str = "qwen2.5-coder-0.5b-instruct"):
     """TP and PP costs of a 2-way split (one process per core) against one process on one core."""
     from calid.bench.parallel import group_job
@@ -131,18 +186,22 @@ def run_profile(args) -> int:
     specs = [s.strip() for s in args.models.split(",") if s.strip()]
     profiles = {}
     for n, spec in enumerate(specs, 1):
-        print(f"[{n}/{len(specs) + 1}] {spec}: decode steps at batch {', '.join(map(str, BATCHES))}, prefill",
+        print(f"[{n}/{len(specs) + 2}] {spec}: decode steps at batch {', '.join(map(str, BATCHES))}, prefill",
               file=sys.stderr)
         lat, weight_bytes = measure_model(spec)
         profiles[spec] = ModelProfile(spec, weight_bytes, {Config(1, 1): lat})
         print(f"  step ms {', '.join(f'b{b}={1000 * t:.1f}' for b, t in zip(lat.batches, lat.step_s))}; "
               f"prefill {1000 * lat.prefill_s_per_token:.2f} ms/token; weights {weight_bytes / 2**20:.0f} MiB",
               file=sys.stderr)
-    print(f"[{len(specs) + 1}/{len(specs) + 1}] tensor and pipeline split costs", file=sys.stderr)
+    print(f"[{len(specs) + 1}/{len(specs) + 2}] tensor and pipeline split costs", file=sys.stderr)
     costs, tok_s = measure_parallel_costs()
+    print(f"[{len(specs) + 2}/{len(specs) + 2}] co-run: a device's step alone and with every core busy",
+          file=sys.stderr)
+    corun, corun_ms = measure_corun()
+    print(f"  {corun_ms}: slowdown {corun}", file=sys.stderr)
     meta = {"cpu": cpu_summary(), "threads_per_device": 1, "tp_efficiency": costs.tp_efficiency,
             "pp_overhead": costs.pp_overhead, "split_tok_s": {f"tp{t}xpp{p}": v for (t, p), v in tok_s.items()},
-            "measured": time.strftime("%Y-%m-%d %H:%M")}
+            "corun_slowdown": corun, "corun_ms": corun_ms, "measured": time.strftime("%Y-%m-%d %H:%M")}
     path = profile_path(args.profile_file)
     save(path, profiles, meta)
     print(f"profile: {path}\n  tp efficiency {costs.tp_efficiency} (2-way), pp overhead {costs.pp_overhead} per stage; "
@@ -168,7 +227,7 @@ def trace_lengths(path: Path, most: int = 2000):
 
 
 def scenario(profiles, meta: dict, args, cv: float | None = None, load: float | None = None,
-             slo_scale: float | None = None, configs: list[str] = SCALED_CONFIGS):
+             slo_scale: float | None = None, configs: list[str] = SCALED_CONFIGS, corun: float = 1.0):
     """The Problem a run plans for: scaled profiles, per-model rates, Gamma (or trace) arrivals, SLOs."""
     from calid.placement.planner import LatencySlo, Problem
     from calid.placement.profile import Config, ParallelCosts, scaled
@@ -191,8 +250,9 @@ def scenario(profiles, meta: dict, args, cv: float | None = None, load: float | 
                         args.max_prompt, args.max_output)
     slos = {m: LatencySlo(slo_scale, p) for m, p in models.items()}
     biggest = max(p.weight_bytes for p in models.values())
-    return (Problem(models, args.devices, biggest * args.device_memory, requests, slos, overlap=args.overlap),
-            rate * len(models))
+    corun = corun if args.corun is None else args.corun
+    return (Problem(models, args.devices, biggest * args.device_memory, requests, slos, overlap=args.overlap,
+                    corun=corun), rate * len(models))
 
 
 def plan_all(problem) -> dict:
@@ -228,6 +288,7 @@ def run_simulate(args) -> int:
           f"{args.devices} devices of {problem.device_memory / 2**30:.2f} GiB; {len(problem.requests)} requests "
           f"over {args.duration:g} s at {rate:.2f} req/s (load {args.load:g}), CV {args.cv or 'trace'}, "
           f"SLO scale {args.slo_scale:g}{'; what-if: overlapping pipelined steps' if args.overlap else ''}; "
+          f"co-run slowdown {problem.corun:g}{' (independent devices)' if problem.corun == 1.0 else ''}; "
           f"split costs: tp efficiency {args.tp_efficiency if args.tp_efficiency is not None else meta['tp_efficiency']}"
           f"{'' if args.tp_efficiency is None else ' (what-if)'}, pp overhead "
           f"{args.pp_overhead if args.pp_overhead is not None else meta['pp_overhead']}"
@@ -253,6 +314,7 @@ def run_simulate(args) -> int:
         print(f"plot: {png}")
     meta_out = {"devices": args.devices, "models": len(problem.profiles), "requests": len(problem.requests),
                 "rate_rps": rate, "cv": args.cv or "trace", "slo_scale": args.slo_scale, "overlap": args.overlap,
+                "corun": problem.corun,
                 "tp_efficiency_what_if": args.tp_efficiency, "pp_overhead_what_if": args.pp_overhead,
                 "profile": str(path),
                 **{f"profile_{k}": v for k, v in meta.items()}}
@@ -275,6 +337,10 @@ def _ratio(a: float, b: float) -> str:
 
 
 def run(args) -> int:
+    from calid.errors import CalidError
+
+    if args.corun is not None and args.corun < 1.0:
+        raise CalidError(f"--corun is a slowdown, at least 1.0 (got {args.corun:g})")
     live = not args.simulate and not args.profile
     defaults = {"devices": None if live else 16, "copies": 1 if live else 4, "duration": 60.0 if live else 120.0}
     for k, v in defaults.items():
@@ -310,10 +376,12 @@ def run_live(args) -> int:
         raise CalidError(f"--live-plans among {', '.join(PLANNER_ORDER)}, got {args.live_plans!r}")
     args.live_plans = wanted
     profiles, meta = load(path)
-    problem, rate = scenario(profiles, meta, args, configs=["tp1xpp1"])  # live: one-device groups
+    # live: one-device groups, on cores that slow each other down as the profile measured
+    problem, rate = scenario(profiles, meta, args, configs=["tp1xpp1"], corun=meta.get("corun_slowdown", 1.0))
     print(f"bench placement (live): {len(problem.profiles)} models ({', '.join(problem.profiles)}) on "
           f"{args.devices} cores; {len(problem.requests)} requests over {args.duration:g} s at {rate:.2f} req/s "
-          f"(load {args.load:g}), CV {args.cv or 'trace'}, SLO scale {args.slo_scale:g}; profile {path} "
+          f"(load {args.load:g}), CV {args.cv or 'trace'}, SLO scale {args.slo_scale:g}, co-run slowdown "
+          f"{problem.corun:g}; profile {path} "
           f"({meta.get('cpu', '?')}); now {cpu_summary()}", file=sys.stderr)
     from calid.placement.planner import PLANNERS
 
@@ -328,6 +396,7 @@ def run_live(args) -> int:
         raise CalidError("no planner could place these models on these devices")
     rows = live.run_live(args, problem, plans, problem.profiles, args.port)
     meta_out = {"devices": args.devices, "requests": len(problem.requests), "rate_rps": rate, "cv": args.cv or "trace",
+                "corun": problem.corun,
                 "slo_scale": args.slo_scale, "duration_s": args.duration, "profile": str(path), "cpu": cpu_summary()}
     live.report(args, rows, meta_out)
     if args.json:

@@ -59,6 +59,7 @@ class Problem:
     slos: dict[str, Slo | LatencySlo]
     max_batch: int = DEFAULT_MAX_BATCH
     overlap: bool = False  # the simulator's what-if of pipelined steps of one model overlapping
+    corun: float = 1.0  # a device's step time with every other device busy / alone (simulator.simulate)
 
     def __post_init__(self):
         missing = {r.model for r in self.requests} - set(self.profiles)
@@ -82,7 +83,7 @@ class Plan:
 def attainment(problem: Problem, placement: Placement) -> tuple[float, dict[str, float]]:
     """The simulator's prediction for ``placement``: overall and per model."""
     return attainment_of(problem, simulate(placement, problem.profiles, problem.requests, problem.max_batch,
-                                           problem.overlap))
+                                           problem.overlap, problem.corun))
 
 
 def attainment_of(problem: Problem, outcomes: list) -> tuple[float, dict[str, float]]:
@@ -123,40 +124,48 @@ def greedy(problem: Problem, groups: list[Group], score: Callable,
     replica each round while one fits; stop after ``patience`` rounds in a row without a better attainment
     (a replica that does not help at once can, with the next one); return the best placement seen.
 
-    A served model must be reachable: a placement that leaves one out (AlpaServe's objective alone may, when
-    its few requests are not worth a replica's memory) ranks below every placement that hosts all, and once
-    the search goes stale it goes on with the left-out models' replicas only, until each has one or none fits."""
+    A served model must be reachable: AlpaServe's objective alone may leave one out when its few requests
+    are not worth a replica's memory (and once the others' replicas fill the memory, nothing can bring it
+    back). So the search first gives each model a replica where one fits, the best such move each round,
+    and a placement that hosts every model ranks above any that does not."""
     placement = Placement(tuple(groups))
     current, per_model = score(placement)
     best = (placement, current, per_model)
-    stale, covering = 0, False
+    stale = 0
     while True:
-        if stale >= patience and not covering:
-            if not unplaced(problem, best[0]):
+        # first a replica of each model no group hosts yet, while one fits somewhere (the best such move each
+        # round); then replicas of the models short of their SLO (one that meets it gains nothing from more)
+        candidates = seeding = _grown(problem, placement, unplaced(problem, placement))
+        if not seeding:
+            if stale >= patience:
                 break
-            covering, (placement, current, per_model) = True, best  # go on from the best, placing the rest
-        # a model that meets every SLO already gains nothing from another replica
-        short = (unplaced(problem, placement) if covering else
-                 sorted(m for m in problem.profiles if per_model.get(m, 1.0) < 1.0))
-        seen: set[tuple[Group, str]] = set()
-        candidates: list[Placement] = []
-        for i, g in enumerate(placement.groups):
-            for m in short:
-                if m in g.models or (g, m) in seen:
-                    continue
-                seen.add((g, m))
-                grown = g.with_model(m)
-                if grown.fits(problem.profiles, problem.device_memory):
-                    candidates.append(placement.replaced(i, grown))
+            candidates = _grown(problem, placement,
+                                sorted(m for m in problem.profiles if per_model.get(m, 1.0) < 1.0))
         if not candidates:
             break
         (current, per_model), placement = max(((score(c), c) for c in candidates),
                                               key=lambda s: (s[0][0], -_used(problem, s[1])))
         if _rank(problem, placement, current) > _rank(problem, *best[:2]):
-            best, stale, covering = (placement, current, per_model), 0, False
-        else:
+            best, stale = (placement, current, per_model), 0
+        elif not seeding:
             stale += 1
     return best
+
+
+def _grown(problem: Problem, placement: Placement, models: list[str]) -> list[Placement]:
+    """Every placement one replica larger: one of ``models`` onto a group that lacks it and has the memory
+    (groups alike, with the same models, are tried once)."""
+    seen: set[tuple[Group, str]] = set()
+    out: list[Placement] = []
+    for i, g in enumerate(placement.groups):
+        for m in models:
+            if m in g.models or (g, m) in seen:
+                continue
+            seen.add((g, m))
+            grown = g.with_model(m)
+            if grown.fits(problem.profiles, problem.device_memory):
+                out.append(placement.replaced(i, grown))
+    return out
 
 
 def _used(problem: Problem, placement: Placement) -> float:

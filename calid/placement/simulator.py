@@ -16,6 +16,11 @@ Terms:
               drains; one model's steps run one after another (the next token needs the last)
   turn        when the first stage is free, the model that has waited longest for a step (a request arrived
               or its last step ended) goes next
+  co-run      devices of one machine are not always independent: cores share memory bandwidth and caches,
+              and a VM's vCPUs may share physical cores. ``corun`` is how much longer a device's step takes
+              when every other device is busy too (measured by ``calid bench placement --profile``; 1.0 for
+              independent devices such as GPUs); a step starting while a share f of the other devices is
+              busy takes 1 + (corun - 1) x f times its profiled time
 
 It returns one calid.bench.load.Outcome per request (arrival, first and last token), scored against the
 SLO exactly as live runs are.
@@ -87,14 +92,17 @@ class _GroupState:
 
 
 def simulate(placement: Placement, profiles: dict[str, ModelProfile], requests: list[Request],
-             max_batch: int = DEFAULT_MAX_BATCH, overlap: bool = False) -> list[Outcome]:
+             max_batch: int = DEFAULT_MAX_BATCH, overlap: bool = False, corun: float = 1.0) -> list[Outcome]:
     """Outcomes in the order of ``requests`` (which must be sorted by arrival); a request whose model no
     group hosts ends with an error.
 
     ``overlap``: a what-if, not what calid does: up to pp steps of one model in the pipeline at once, each
     over its own share of the running requests (vLLM's virtual engines), instead of one step cut into
-    micro-batches."""
+    micro-batches. ``corun``: a device's step time with every other device busy, over its time alone."""
+    if corun < 1.0:
+        raise ValueError(f"corun is a slowdown (>= 1.0), got {corun}")
     groups = [_GroupState(g, overlap) for g in placement.groups]
+    others = max(1, sum(g.config.devices for g in placement.groups) - 1)
     hosts: dict[str, list[int]] = {}
     for i, g in enumerate(placement.groups):
         for m in g.models:
@@ -109,6 +117,13 @@ def simulate(placement: Placement, profiles: dict[str, ModelProfile], requests: 
         nonlocal order
         order += 1
         heapq.heappush(events, (t, order, kind, payload))
+
+    def contention(gi: int, now: float) -> float:
+        """How much longer group ``gi``'s step takes for the other devices busy at ``now``."""
+        if corun == 1.0:
+            return 1.0
+        busy = sum(g.config.tp * sum(free > now for free in g.stage_free) for j, g in enumerate(groups) if j != gi)
+        return 1.0 + (corun - 1.0) * busy / others
 
     def start_steps(gi: int, now: float) -> None:
         g = groups[gi]
@@ -135,7 +150,7 @@ def simulate(placement: Placement, profiles: dict[str, ModelProfile], requests: 
                 take = -(-lane.running // lane.steps)
                 batch, lane.idle = lane.idle[:take], lane.idle[take:]
                 micro, joined = 1, sum(requests[r].prompt_tokens for r in batch if done_tokens[r] == 0)
-            stage = profiles[lane.name].stage_s(g.config, -(-len(batch) // micro), joined / micro)
+            stage = profiles[lane.name].stage_s(g.config, -(-len(batch) // micro), joined / micro) * contention(gi, now)
             last = now
             for _ in range(micro):
                 end = now

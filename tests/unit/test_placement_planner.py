@@ -159,6 +159,23 @@ def test_the_overlap_what_if_lets_one_models_steps_share_the_pipeline():
     assert max(o.last_s for o in simulate(place, profiles, reqs, overlap=True)) == pytest.approx(0.05)
 
 
+def test_a_step_is_slowed_by_the_other_devices_busy_when_it_starts():
+    """Two one-device groups, corun 1.5 (a step with the other device busy takes 1.5x). Alone, a model's
+    steps take their profiled time; with both busy, every step after the first starts beside the other's
+    and takes 1.5x: a: 0.01, 0.025, 0.04; b (its first step already beside a's): 0.015, 0.03, 0.045."""
+    lat = Latency((1,), (0.01,), 0.0)
+    profiles = {m: ModelProfile(m, GB, {ONE: lat}) for m in "ab"}
+    place = Placement((Group(ONE, ("a",)), Group(ONE, ("b",))))
+    alone = simulate(place, profiles, [Request(0.0, "a", 0, 3)], corun=1.5)
+    assert alone[0].last_s == pytest.approx(0.03)
+    both = simulate(place, profiles, [Request(0.0, "a", 0, 3), Request(0.0, "b", 0, 3)], corun=1.5)
+    assert [o.last_s for o in both] == pytest.approx([0.04, 0.045])
+    independent = simulate(place, profiles, [Request(0.0, "a", 0, 3), Request(0.0, "b", 0, 3)])
+    assert [o.last_s for o in independent] == pytest.approx([0.03, 0.03])
+    with pytest.raises(ValueError, match="slowdown"):
+        simulate(place, profiles, [Request(0.0, "a", 0, 3)], corun=0.5)
+
+
 def test_a_model_no_group_hosts_is_reported_not_dropped():
     profiles = {"m": ModelProfile("m", GB, {ONE: flat(0.01)}), "x": ModelProfile("x", GB, {ONE: flat(0.01)})}
     outs = simulate(Placement((Group(ONE, ("m",)),)), profiles, [Request(0.0, "x", 0, 3), Request(0.0, "m", 0, 3)])
@@ -226,6 +243,17 @@ def test_every_model_gets_a_replica_even_where_attainment_alone_would_leave_it_o
     for plan in (planner.alpaserve(problem), planner.replication(problem)):
         assert planner.unplaced(problem, plan.placement) == [], str(plan.placement)
         assert plan.attainment == pytest.approx(with_both)
+
+
+def test_a_rare_model_is_placed_before_the_busy_ones_fill_the_memory():
+    """Two devices, each with room for both busy models or for one of them and the rare one. Replicating the
+    busy models first (each gains from a second replica) fills both devices and leaves no room for the rare
+    one; it must be placed first."""
+    profiles = {"b1": model("b1", 0.5, 0.02), "b2": model("b2", 0.5, 0.02), "rare": model("rare", 0.6, 0.02)}
+    problem = _problem(profiles, 2, 1.15, {"b1": 20.0, "b2": 20.0, "rare": 0.05}, cv=1.0, slo_scale=3.0,
+                       duration=30.0)
+    for plan in (planner.alpaserve(problem), planner.replication(problem)):
+        assert planner.unplaced(problem, plan.placement) == [], str(plan.placement)
 
 
 def test_a_model_that_fits_nowhere_stays_unplaced_and_the_rest_are_still_planned():
