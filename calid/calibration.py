@@ -94,3 +94,15 @@ def filter_cap(target, draft, batch: int, chunk: int = 8, repeats: int = 3) -> d
     catch_up = best(target, chunk) / (chunk * batch)
     drafted = best(draft, 1) / batch
     return {"ar_s": ar, "catch_up_s": catch_up, "draft_s": drafted, "cap": ar / (catch_up + drafted)}
+
+
+def verification_cap(verify: CostTable) -> tuple[float, int]:
+    """The most lossless drafting can gain over plain steps with one request on this target, and at which
+    forward size: max over measured sizes k of k x cost(1) / cost(k), the speed-up if every one of k - 1 draft
+    tokens were accepted and drafting cost nothing (an n-gram copy). Below 1.0 at every size: no draft, however
+    good, pays here (a 2-core CPU where two tokens cost 2x one: Qwen 1.5B on llama.cpp, AMD EPYC, AVX-512)."""
+    one = verify(1)
+    if not verify.known or one <= 0:
+        return 1.0, 1
+    cap, fewer = max((k * one / t, -k) for k, t in verify.as_dict().items() if t > 0)  # a tie: the smaller size
+    return cap, -fewer

@@ -63,6 +63,7 @@ def run(args) -> int:
     from calid.bench.data import grounded_prompts, humaneval_prompts
     from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
     from calid.bench.report import write_report
+    from calid.calibration import verification_cap
     from calid.engine import Engine
     from calid.progress import progress
     from calid.text import encode_prompt
@@ -89,8 +90,13 @@ def run(args) -> int:
           f"{workloads}; {args.rounds} rounds; {args.max_new_tokens} new tokens (EOS ignored), greedy; {cpu_summary()}; "
           f"bandwidth {bandwidth:.1f} GB/s -> one decode step >= {1000 / limit:.1f} ms ({limit:.1f} tok/s at batch 1)",
           file=sys.stderr)
+    spec_cap = None
     if engine is not None and "auto" in modes:
         engine.calibrate()  # as the served app's warm-up below calibrates its router: not inside a timed point
+        spec_cap = verification_cap(engine.orchestrator.verify_cost)
+        costs = ", ".join(f"{k}: {1000 * t:.0f}" for k, t in engine.orchestrator.verify_cost.as_dict().items())
+        print(f"verification cap (one request, every draft token accepted, drafts free): {spec_cap[0]:.2f}x at a "
+              f"{spec_cap[1]}-token forward; target forward ms by tokens: {costs}", file=sys.stderr)
     serve_app(cfg, dashboard=False)
     samples: dict[tuple, list[dict]] = {}
     try:
@@ -115,7 +121,8 @@ def run(args) -> int:
     rows = _rows(samples, caps)
     meta = {"target": cfg.target, "draft": cfg.draft, "batch_invariant": cfg.batch_invariant,
             "new_tokens": args.max_new_tokens, "rounds": args.rounds,
-            "cpu": cpu_summary(), "bandwidth_GBps": round(bandwidth, 1), "decode_limit_tok_s": round(limit, 1)}
+            "cpu": cpu_summary(), "bandwidth_GBps": round(bandwidth, 1), "decode_limit_tok_s": round(limit, 1),
+            "verification_cap": None if spec_cap is None else f"{spec_cap[0]:.2f}x at {spec_cap[1]} tokens"}
     notes = [
         "served_vs_ar / inproc_vs_ar: tokens/s relative to ar at the same workload and concurrency (median of rounds)",
         "served_vs_inproc: served tokens/s / in-process tokens/s for the same requests (1.0 = serving costs nothing)",
@@ -128,6 +135,9 @@ def run(args) -> int:
         "if the draft made every token (calid.calibration.filter_cap)",
         f"decode limit: bandwidth {bandwidth:.1f} GB/s / {target.decode_read_bytes / 1e9:.2f} GB of target weights per "
         "step",
+        "verification cap: max over forward sizes k of k x cost(1) / cost(k), timed in process: what lossless "
+        "drafting could gain at one request if every draft token were accepted and drafts cost nothing "
+        "(calid.calibration.verification_cap); under load, less",
     ]
     name = f"modes-{'small' if args.small else 'qwen'}-{'invariant' if cfg.batch_invariant else 'batched'}"
     js, md = write_report(Path(args.out), name, "the server's choices vs plain decoding, served and in process",

@@ -58,6 +58,17 @@ def test_greedy_over_grpc_equals_in_process(client, local_engine, smol, mode):
         assert got.stats["target_calls"] == w.stats.target_calls
 
 
+def test_auto_calibration_prices_a_call_like_live_steps(client, small_app):
+    """Calibrated forward costs are timed inside the worker; live steps are timed as whole calls. The router
+    measures a no-op call's round trip to each worker and adds it to every calibrated size, so a plain step
+    timed live and a verification known from calibration only are priced alike."""
+    client.generate(PROMPTS[3], max_new_tokens=4, mode="auto")
+    stats = handle(small_app.app_name, "router").stats.remote().result()
+    trips = stats["call_overhead_ms"]
+    assert set(trips) == {"target", "draft"}
+    assert 0.0 < trips["target"] < 1000.0 and 0.0 < trips["draft"] < 1000.0
+
+
 def test_stream_chunks_add_up_to_the_whole_output(client):
     whole = client.generate(PROMPTS[2], max_new_tokens=20, mode="speculative")
     chunks = list(client.stream(PROMPTS[2], max_new_tokens=20, mode="speculative", request_id="mine-1"))

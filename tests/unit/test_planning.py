@@ -267,3 +267,14 @@ def test_steps_that_prefill_a_new_request_are_not_timed_by_the_guard():
             s.token_ids.append(9)
         orch.observe_step(secs)
     assert orch.guard.summary() == {"plain@1": 30.0}  # only the decode step of the old request alone
+
+
+def test_the_verification_cap_is_the_best_size_if_every_draft_token_were_free_and_accepted():
+    from calid.calibration import verification_cap
+
+    proportional = CostTable([1, 2, 4, 8, 16], [0.0285, 0.0568, 0.0971, 0.2177, 0.2571])  # Qwen 1.5B, AMD EPYC
+    cap, size = verification_cap(proportional)
+    assert size == 16 and cap == pytest.approx(16 * 0.0285 / 0.2571)  # 1.77x, only with 15 accepted tokens
+    assert verification_cap(CostTable([1, 2, 4], [0.03, 0.06, 0.12])) == (1.0, 1)  # k tokens cost k steps: none
+    assert verification_cap(CostTable([1, 8], [0.03, 0.04]))[0] == pytest.approx(6.0)  # a GPU-like target
+    assert verification_cap(CostTable()) == (1.0, 1)
