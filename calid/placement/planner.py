@@ -120,14 +120,27 @@ def _rank(problem: Problem, placement: Placement, attainment: float) -> tuple[bo
 
 def greedy(problem: Problem, groups: list[Group], score: Callable,
            patience: int = 2) -> tuple[Placement, float, dict[str, float]]:
+    """AlpaServe's greedy search, made to host every model (see ``_greedy``): the better-ranked of a search
+    that places each model first and AlpaServe's own search with the models it left out placed on top of
+    its result (placing first is myopic: on this machine's live case it found 0.46 where the other found
+    0.56)."""
+    first = _greedy(problem, groups, score, patience, seed=True)
+    plain = _greedy(problem, groups, score, patience, seed=False)
+    if unplaced(problem, plain[0]):
+        plain = _greedy(problem, list(plain[0].groups), score, patience, seed=True)
+    return max((first, plain), key=lambda b: _rank(problem, b[0], b[1]))
+
+
+def _greedy(problem: Problem, groups: list[Group], score: Callable, patience: int,
+            seed: bool) -> tuple[Placement, float, dict[str, float]]:
     """AlpaServe's greedy model selection on fixed ``groups`` (they may already host models): add the best
     replica each round while one fits; stop after ``patience`` rounds in a row without a better attainment
     (a replica that does not help at once can, with the next one); return the best placement seen.
 
     A served model must be reachable: AlpaServe's objective alone may leave one out when its few requests
     are not worth a replica's memory (and once the others' replicas fill the memory, nothing can bring it
-    back). So the search first gives each model a replica where one fits, the best such move each round,
-    and a placement that hosts every model ranks above any that does not."""
+    back). With ``seed`` the search first gives each model no group hosts a replica where one fits, the best
+    such move each round; a placement that hosts every model ranks above any that does not."""
     placement = Placement(tuple(groups))
     current, per_model = score(placement)
     best = (placement, current, per_model)
@@ -135,7 +148,7 @@ def greedy(problem: Problem, groups: list[Group], score: Callable,
     while True:
         # first a replica of each model no group hosts yet, while one fits somewhere (the best such move each
         # round); then replicas of the models short of their SLO (one that meets it gains nothing from more)
-        candidates = seeding = _grown(problem, placement, unplaced(problem, placement))
+        candidates = seeding = _grown(problem, placement, unplaced(problem, placement)) if seed else []
         if not seeding:
             if stale >= patience:
                 break

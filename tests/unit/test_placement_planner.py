@@ -254,6 +254,9 @@ def test_a_rare_model_is_placed_before_the_busy_ones_fill_the_memory():
                        duration=30.0)
     for plan in (planner.alpaserve(problem), planner.replication(problem)):
         assert planner.unplaced(problem, plan.placement) == [], str(plan.placement)
+        groups = [Group(ONE), Group(ONE)]
+        seeded = planner._greedy(problem, groups, lambda p: planner.attainment(problem, p), 2, seed=True)
+        assert plan.attainment >= seeded[1]  # the better of placing first and placing the left-out last
 
 
 def test_a_model_that_fits_nowhere_stays_unplaced_and_the_rest_are_still_planned():
