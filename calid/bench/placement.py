@@ -90,6 +90,12 @@ def _timed_generate(engine, ids: list[list[int]], tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def _step_s(engine, ids: list[list[int]], tokens: int) -> float:
+    """Seconds of one decode step of these sequences: ``tokens`` more steps timed, their first token's
+    (the prefill's) time taken off."""
+    return (_timed_generate(engine, ids, tokens + 1) - _timed_generate(engine, ids, 1)) / tokens
+
+
 def measure_model(spec: str, tokens: int = 16, prompt_tokens: int = 128):
     """A model's one-device Latency (one thread), on the backend calid serves it with."""
     from calid.backends import open_model
@@ -103,7 +109,7 @@ def measure_model(spec: str, tokens: int = 16, prompt_tokens: int = 128):
     steps = []
     for b in BATCHES:
         ids = [[(k + 11) % 997 + 3] + prompt[:8] for k in range(b)]  # short prompts: steps dominate
-        steps.append((_timed_generate(engine, ids, tokens + 1) - _timed_generate(engine, ids, 1)) / tokens)
+        steps.append(_step_s(engine, ids, tokens))
     first = _timed_generate(engine, [prompt], 1)
     prefill = max(first - steps[0], 0.0) / prompt_tokens
     return Latency(BATCHES, tuple(steps), prefill), m.decode_read_bytes
@@ -123,7 +129,7 @@ def _corun_job(spec: str, core: int, tokens: int, start, out) -> None:
     prompt = [[(7 * j) % 1000 + 5 for j in range(8)]]
     _timed_generate(engine, prompt, 2)  # warm-up
     start.wait()
-    out.put((core, (_timed_generate(engine, prompt, tokens + 1) - _timed_generate(engine, prompt, 1)) / tokens))
+    out.put((core, _step_s(engine, prompt, tokens)))
 
 
 def _corun_steps(spec: str, cores: list[int], tokens: int) -> list[float]:
