@@ -103,6 +103,36 @@ class TokenTree:
         mask[prefix:, prefix:] = self.ancestor_mask()
         return mask
 
+    def leaves(self) -> list[int]:
+        """Nodes without children, in depth-first order with children in index order: the first is the end
+        of the first-child chain (a draft's top-1 chain, a trie's most frequent branch)."""
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parent):
+            kids.setdefault(p, []).append(i)
+        out, stack = [], kids.get(-1, [])[::-1]
+        while stack:
+            node = stack.pop()
+            if node in kids:
+                stack += kids[node][::-1]
+            else:
+                out.append(node)
+        return out
+
+    def pruned(self, branches: int) -> tuple["TokenTree", list[int]]:
+        """The subtree of this tree's first ``branches`` root-to-leaf paths (``leaves()`` order), and the old
+        index of each kept node (in order; index a per-node array with it). Verifying a pruned tree is
+        still exact: every verification here accepts only along verified nodes, whatever the tree."""
+        if branches < 1:
+            raise ValueError(f"a tree keeps at least one branch, not {branches}")
+        kept = sorted({n for leaf in self.leaves()[:branches] for n in self.path(leaf)})
+        new_of = {old: new for new, old in enumerate(kept)}
+        tree = TokenTree()
+        for old in kept:
+            tree.tokens.append(self.tokens[old])
+            tree.parent.append(new_of.get(self.parent[old], -1))
+            tree.depth.append(self.depth[old])
+        return tree, kept
+
     @property
     def max_depth(self) -> int:
         return max(self.depth, default=0)

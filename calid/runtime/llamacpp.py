@@ -169,6 +169,11 @@ class LlamaCppRunner:
         return int(self._lib.llama_model_size(self._model))
 
     @property
+    def max_sequences(self) -> int:
+        """Sequences one forward may hold: a slot for each request, draft lane and extra tree branch."""
+        return self.slots
+
+    @property
     def kv_bytes(self) -> int:
         return self.slots * self.cells_per_slot * self.cell_bytes
 

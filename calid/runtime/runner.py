@@ -67,6 +67,8 @@ class ModelRunner:
     its tokens the forward feeds (decode, verification, tree, prefill chunk), in every dtype. The model's
     linears are converted in place."""
 
+    max_sequences: int | None = None  # sequences one forward may hold (requests and tree branches): unbounded
+
     def __init__(self, model: LlamaModel, kv_budget_bytes: int | None = None, charged_layers: int | None = None,
                  kv_layout: str = DEFAULT_KV_LAYOUT, block_size: int = DEFAULT_BLOCK_SIZE, graphs: str = "off",
                  graph_batch_sizes=DEFAULT_BATCH_SIZES, invariant: bool = False):

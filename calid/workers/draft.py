@@ -79,6 +79,9 @@ class DraftWorker:
 
     def draft(self, tasks: list[DraftTask]) -> list[DraftResult]:
         require_full_ids(tasks)
+        groups = _fitting(tasks, self.runner.max_sequences)
+        if len(groups) > 1:  # more lanes than the runner holds at once: one draft per group that fits
+            return [r for group in groups for r in self.draft(group)]
         order, prefilling = tasks, self._prefill_chunks(tasks)
         tasks = [t for t in tasks if t.request_id not in prefilling]
         chains = [_Chain(t, self.eos_ids, self.runner.device) for t in tasks if not t.decode.is_tree]
@@ -242,6 +245,21 @@ def _forward_tips(runner: ModelRunner, lanes: list[tuple], trees: dict) -> tuple
         inputs.append(SeqInput(lane, runner.sync(lane, t.token_ids + chain)))
     rows = torch.cat(runner.forward(inputs))
     return rows, top1(rows)[1]
+
+
+def _fitting(tasks: list[DraftTask], cap: int | None) -> list[list[DraftTask]]:
+    """``tasks`` in consecutive groups whose draft lanes (a tree's chains, else one) fit ``cap`` sequences."""
+    if cap is None:
+        return [tasks]
+    groups, lanes = [[]], 0
+    for t in tasks:
+        need = t.decode.tree_chains if t.decode.mode == "tree" else 1
+        if groups[-1] and lanes + need > cap:
+            groups.append([])
+            lanes = 0
+        groups[-1].append(t)
+        lanes += need
+    return groups
 
 
 def _stochastic(t: DraftTask) -> bool:

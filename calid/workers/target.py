@@ -6,12 +6,17 @@ prefix reused, the rest recomputed), then its draft is fed after them:
           (speculative, rollback) or only after the last one (filter, ar);
   tree    the tree's nodes under its ancestor mask at tree positions; the cache
           is compacted to the accepted branch afterwards, so it stays a sequence.
+A runner that holds a bounded number of sequences (llama.cpp: one slot per
+request and per extra tree branch) gets forwards that fit it: more requests
+than it holds run as several forwards, and trees are cut to the branches left
+(the first tasks' trees keep theirs first; a cut tree still verifies exactly).
 The acceptance rule (calid.decoding.acceptance, or tree verification) decides
 what to append. Lookahead trees come from the worker's own trie of prompt and
 output n-grams (shared across requests, or one per request).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Hashable
 
 import torch
@@ -121,6 +126,9 @@ class TargetWorker:
         if not tasks:
             return []
         require_full_ids(tasks)
+        cap = self.runner.max_sequences
+        if cap is not None and len(tasks) > cap:
+            return [r for i in range(0, len(tasks), cap) for r in self.verify(tasks[i : i + cap])]
         trees = {}
         for t in tasks:
             if t.decode.mode == "lookahead":
@@ -129,6 +137,8 @@ class TargetWorker:
                                        if t.budget > 0 else TokenTree())
             elif t.decode.is_tree:
                 trees[t.request_id] = t.tree or TokenTree()
+        if cap is not None:
+            tasks = _fit_branches(tasks, trees, cap - len(tasks))
         chunks = self._plan_chunks(tasks, trees)
         inputs = [self._chunk_input(t, chunks[t.request_id]) if t.request_id in chunks
                   else self._tree_input(t, trees[t.request_id]) if t.request_id in trees
@@ -219,3 +229,20 @@ class TargetWorker:
         self.runner.compact(t.request_id, [committed + i for i in verdict.path], start=committed)
         tokens = [tree.tokens[i] for i in verdict.path] + [verdict.next_token]
         return VerifyResult(t.request_id, tokens, len(verdict.path), tree.max_depth, True, save_generator(generator))
+
+
+def _fit_branches(tasks: list[VerifyTask], trees: dict, spare: int) -> list[VerifyTask]:
+    """Cut the trees in ``trees`` (in place) to ``spare`` extra branches between them, in task order; the
+    tasks, a cut stochastic tree's task carrying only its kept nodes' draft rows."""
+    out = []
+    for t in tasks:
+        tree = trees.get(t.request_id)
+        branches = len(tree.leaves()) if tree else 1
+        keep = min(branches, 1 + spare)
+        spare -= keep - 1
+        if keep < branches:
+            trees[t.request_id], kept = tree.pruned(keep)
+            if t.q is not None:  # row 0 is the root's, row i + 1 node i's
+                t = replace(t, q=t.q[[0] + [k + 1 for k in kept]])
+        out.append(t)
+    return out

@@ -203,6 +203,34 @@ def test_greedy_modes_on_llamacpp_reproduce_ar(ll, torch_self_draft, prompts, ar
     assert ll.runner.cached_count() == 0 and len(ll.runner._free) == ll.runner.slots
 
 
+@pytest.mark.parametrize("decode", [
+    DecodeParams(mode="tree", gamma=6, threshold=0.6, tree_width=3),
+    DecodeParams(mode="lookahead", gamma=12),
+])
+def test_forwards_fit_a_target_with_fewer_slots_than_requests_and_branches(ll, torch_self_draft, prompts, ar_ids,
+                                                                          decode):
+    """Three requests on 3 slots leave no slot for a tree's extra branches (trees are cut to one branch each), on
+    2 slots they do not fit one forward at all (two forwards a step); the output is still ar's."""
+    from calid.backends import gguf_file
+
+    for slots in (3, 2):
+        small = LlamaCppRunner(gguf_file(TEST_MODEL, False), slots=slots)
+        eng = Engine(small, ll.tokenizer, ll.eos_ids, draft=torch_self_draft.runner)
+        assert [r.output_ids for r in generate(eng, ids_of(ll, prompts), decode)] == ar_ids
+        small.close()
+
+
+def test_tree_drafts_fit_a_draft_runner_with_fewer_slots_than_their_lanes(ll, prompts, ar_ids):
+    """Three requests of three draft chains each need 9 draft lanes; a 4-slot draft runner drafts them in turns."""
+    from calid.backends import gguf_file
+
+    draft = LlamaCppRunner(gguf_file(TEST_MODEL, False), slots=4)
+    eng = Engine(ll.runner, ll.tokenizer, ll.eos_ids, draft=draft)
+    res = generate(eng, ids_of(ll, prompts), DecodeParams(mode="tree", gamma=4, threshold=0.4, tree_width=1, tree_chains=3))
+    assert [r.output_ids for r in res] == ar_ids and sum(r.stats.draft_tokens for r in res) > 0
+    draft.close()
+
+
 def test_llamacpp_draft_for_a_torch_target(smol, ll_draft, prompts):
     """The reverse pairing: torch target (fp32), draft on llama.cpp (the same model quantized)."""
     tgt = open_model(TEST_MODEL, backend="torch", dtype="fp32", **QUIET)

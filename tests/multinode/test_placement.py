@@ -77,8 +77,11 @@ def test_under_load_the_target_scales_out_onto_the_idle_target_node(cluster):
     threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
+    def running() -> int:  # replicas Serve routes to: an actor is alive before its model has loaded
+        return serve.status().applications[cfg.app_name].deployments["target"].replica_states.get("RUNNING", 0)
+
     try:
-        scaled = wait_for(lambda: len(replicas(cfg.app_name, "target")) == 2, timeout_s=120, every_s=1.0)
+        scaled = wait_for(lambda: running() == 2, timeout_s=180, every_s=1.0)
     finally:
         stop.set()
         for t in threads:
@@ -87,11 +90,13 @@ def test_under_load_the_target_scales_out_onto_the_idle_target_node(cluster):
     nodes = {a.node_id for a in replicas(cfg.app_name, "target")}
     assert len(nodes) == 2 and first.node_id in nodes
     assert _types(cluster, replicas(cfg.app_name, "target")) == ["target_gpu", "target_gpu"]
-    for _ in range(2):  # the router learns the new replica within REPLICAS_REFRESH_S of its first call
+    target = serve.get_deployment_handle("target", cfg.app_name)
+    for _ in range(4):  # the router learns the new replica within REPLICAS_REFRESH_S of its first call
         streams = Streams(cluster.grpc_port, cfg.app_name, PROMPTS, 8, 8, mode="ar").join()
         assert all(r["code"] == "OK" for r in streams) and len({tuple(r["tokens"]) for r in streams}) == len(PROMPTS)
+        stats = wait_for(lambda: (lambda got: got if len(got) == 2 else None)(target.broadcast("stats").results(timeout_s=60)),
+                         timeout_s=30)  # a new handle learns the replicas in the background
+        if stats and all(s["batches"] > 0 for s in stats):
+            break
         time.sleep(2.5)
-    target = serve.get_deployment_handle("target", cfg.app_name)
-    stats = wait_for(lambda: (lambda got: got if len(got) == 2 else None)(target.broadcast("stats").results(timeout_s=60)),
-                     timeout_s=30)  # a new handle learns the replicas in the background
     assert stats and all(s["batches"] > 0 for s in stats), stats  # the new replica serves too

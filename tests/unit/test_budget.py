@@ -96,6 +96,7 @@ class ScriptedRunner:
 
     device = torch.device("cpu")
     vocab_size = V
+    max_sequences = None  # no slot limit
     max_position = 4096
 
     def __init__(self, is_draft: bool):

@@ -70,3 +70,41 @@ def test_verify_stochastic_follows_target_distribution():
 def test_merging_duplicate_draws_would_bias_stochastic_verification():
     """The same check catches the wrong construction (duplicate draws merged into one child)."""
     assert first_token_chi2(merge=True, seed=1) > CHI2_P001_DF4
+
+
+def test_leaves_come_first_child_chain_first_and_a_pruned_tree_keeps_their_paths():
+    t = TokenTree()
+    a = t.add(1, -1)        # 0: the top-1 chain 1 -> 2 -> 3
+    t.add(7, -1)            # 1: a sibling leaf at depth 1
+    b = t.add(2, a)         # 2
+    t.add(8, a)             # 3: a sibling leaf at depth 2
+    t.add(3, b)             # 4
+    assert t.leaves() == [4, 3, 1]
+    one, kept = t.pruned(1)
+    assert kept == [0, 2, 4] and one.tokens == [1, 2, 3] and one.parent == [-1, 0, 1] and one.depth == [1, 2, 3]
+    two, kept = t.pruned(2)
+    assert kept == [0, 2, 3, 4] and two.tokens == [1, 2, 8, 3] and two.parent == [-1, 0, 0, 1]
+    assert t.pruned(5)[0].tokens == t.tokens
+    assert verify_greedy(one, [1, 2, 3, 9]).path == [0, 1, 2]  # indices of the pruned tree
+
+
+def test_trees_are_cut_to_the_spare_branches_in_task_order_with_their_draft_rows():
+    from calid.decoding.modes import DecodeParams
+    from calid.decoding.sampling import Warp
+    from calid.workers.messages import VerifyTask
+    from calid.workers.target import _fit_branches
+
+    def task(rid):
+        tree = TokenTree()
+        for token in (5, 6, 7):  # three i.i.d. draws below the root, one more below the second
+            tree.add(token, -1, merge=False)
+        tree.add(8, 1)
+        q = torch.arange(5.0)[:, None].expand(5, 3)  # row r holds r: root, then nodes 0..3
+        return VerifyTask(rid, [1, 2], 2, DecodeParams(mode="tree"), Warp(), 4, [], q=q, tree=tree)
+
+    tasks = [task("a"), task("b"), task("c")]
+    trees = {t.request_id: t.tree for t in tasks}
+    out = _fit_branches(tasks, trees, spare=3)
+    assert len(trees["a"].leaves()) == 3 and out[0] is tasks[0]  # first in order: all its branches
+    assert trees["b"].tokens == [5, 6, 8] and out[1].q[:, 0].tolist() == [0, 1, 2, 4]  # the one spare left
+    assert trees["c"].tokens == [5] and out[2].q[:, 0].tolist() == [0, 1]  # none left: its first branch
