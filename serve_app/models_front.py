@@ -16,6 +16,7 @@ import asyncio
 import grpc
 from ray import serve
 
+from calid.placement.dispatch import least_loaded
 from calid.v1 import calid_pb2 as pb
 from serve_app.calls import RequestRefused
 from serve_app.config import load_config
@@ -42,16 +43,21 @@ class ModelFront:
         self.models = {name: list(range(a, a + n)) for name, a, n in zip(routers, starts, sizes)}
         self.default = next(iter(routers))
         self._in_flight = [0] * len(self.routers)  # Generate / GenerateStream calls at each router now
+        cores: dict[str, list[frozenset]] = {}  # in the routers' order: app.build_app walks the same configs
+        for c in self.cfg.model_configs.values():
+            cores.setdefault(c.served_model, []).append(frozenset(c.cpu_affinity or ()))
+        self._cores = [group for name in routers for group in cores[name]]  # each router's model replica's cores
 
     def _router(self, model: str, grpc_context) -> int | None:
-        """The named model's router with the fewest calls in flight (empty name: the first model), by its
-        index; None, with NOT_FOUND set on the context, for a model not served here."""
+        """The named model's router whose cores have the fewest calls in flight over every model on them
+        (calid.placement.dispatch; empty name: the first model), by its index; None, with NOT_FOUND set on
+        the context, for a model not served here."""
         group = self.models.get(model or self.default)
         if group is None:
             set_grpc_status(grpc_context, Refused(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here "
                                                   f"(served: {', '.join(self.models)})"))
             return None
-        return min(group, key=lambda i: (self._in_flight[i], i))
+        return least_loaded(group, self._in_flight, self._cores)
 
     async def _forward(self, router, method: str, request, grpc_context, empty):
         reply, code, details = await router.forwarded.remote(method, request, _metadata(grpc_context))

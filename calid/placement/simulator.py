@@ -5,7 +5,8 @@ Terms:
               models (each split over all of the group's devices, as AlpaServe multiplexes them)
   placement   the groups; a model on several groups has that many replicas
   dispatch    a request goes, on arrival, to the group hosting its model with the fewest requests waiting or
-              running there (calid's router: the replica with the fewest of its requests)
+              running there over all its models, then with the fewest of its model's (calid.placement.dispatch:
+              the multi-model front does the same live)
   step        calid batches each model's running requests into one forward per step (continuous batching):
               requests waiting join at the next step (up to max_batch running), their prompts' prefill is
               part of that step, and each running request gets one token when the step leaves the last stage
@@ -77,6 +78,9 @@ class _Lane:
         self.in_flight = 0  # its steps in the pipeline
         self.steps = steps  # at most this many at once
         self.ready_since = 0.0
+
+    def load(self) -> int:
+        return len(self.waiting) + self.running
 
     def has_work(self) -> bool:
         return self.in_flight < self.steps and bool(self.waiting or self.idle)
@@ -172,7 +176,7 @@ def simulate(placement: Placement, profiles: dict[str, ModelProfile], requests: 
             if not where:
                 outcomes[payload].error = f"model {r.model} is not placed"
                 continue
-            gi = min(where, key=lambda i: (groups[i].load, i))
+            gi = min(where, key=lambda i: (groups[i].load, groups[i].lanes[r.model].load(), i))  # as dispatch.py
             g = groups[gi]
             lane = g.lanes[r.model]
             if not lane.in_flight and not lane.waiting and not lane.running:

@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.model]
 
 APP = "multi"
 CORE = min(os.sched_getaffinity(0))
+OTHER = max(os.sched_getaffinity(0))  # CORE again on a one-core machine
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,8 @@ def multi_app(serve_port):
     cfg = AppConfig(app_name=APP, grpc_port=serve_port, kv_budget_mb=256, dtype="fp32", draft=None, models=[
         {"name": "smol", "target": TEST_MODEL, "draft": "self:16", "default_mode": "speculative"},
         {"name": "plain", "target": TEST_MODEL, "slo_ttft_ms": 600_000, "slo_tpot_ms": 60_000,
-         "placement": [[CORE], [CORE]]},  # two groups (on one core: CI machines may have two)
-        {"name": "busy", "target": TEST_MODEL, "max_active": 1, "queue_capacity": 0},
+         "placement": [[CORE], [OTHER]]},  # two groups
+        {"name": "busy", "target": TEST_MODEL, "max_active": 1, "queue_capacity": 0, "placement": [[CORE]]},
     ])
     return deploy(cfg)
 
@@ -43,7 +44,7 @@ def _stats(model: str) -> dict:
         both = [handle(APP, f"router-plain@{i}").stats.remote().result() for i in (0, 1)]
         return {"steps": sum(s["steps"] for s in both), "model": both[0]["model"],
                 "slo": {k: sum(s["slo"][k] for s in both) for k in ("met", "missed")}}
-    return handle(APP, f"router-{model}").stats.remote().result()
+    return handle(APP, f"router-{model}@0" if model == "busy" else f"router-{model}").stats.remote().result()
 
 
 def test_each_request_reaches_the_model_it_names(mclient):
@@ -125,8 +126,26 @@ def test_a_model_on_two_groups_spreads_its_requests_and_each_target_is_pinned(mc
         t.join(timeout=300)
     after = [handle(APP, f"router-plain@{i}").stats.remote().result()["steps"] for i in (0, 1)]
     assert all(a > b for a, b in zip(after, before)), f"steps before {before}, after {after}"
-    for i in (0, 1):
-        assert handle(APP, f"target-plain@{i}").stats.remote().result()["cores"] == [CORE]
+    for i, core in enumerate((CORE, OTHER)):
+        assert handle(APP, f"target-plain@{i}").stats.remote().result()["cores"] == [core]
+
+
+@pytest.mark.skipif(CORE == OTHER, reason="needs two cores")
+def test_a_request_goes_to_the_replica_whose_core_no_other_model_is_busy_on(mclient):
+    """plain@0 shares its core with busy; while busy decodes there, plain's request goes to plain@1, though
+    both of plain's routers have nothing in flight (AlpaServe's dispatch: calid.placement.dispatch)."""
+    steps = lambda: [handle(APP, f"router-plain@{i}").stats.remote().result()["steps"] for i in (0, 1)]  # noqa: E731
+    long = threading.Thread(target=mclient.generate, args=("Count from one to one hundred.",),
+                            kwargs={"model": "busy", "max_new_tokens": 96, "ignore_eos": True})
+    long.start()
+    try:
+        assert wait_until(lambda: _stats("busy")["active"] == 1, timeout_s=60)
+        before = steps()
+        mclient.generate("Name a color.", model="plain", max_new_tokens=6, ignore_eos=True)
+        after = steps()
+    finally:
+        long.join(timeout=300)
+    assert after[0] == before[0] and after[1] > before[1], f"steps before {before}, after {after}"
 
 
 def test_draining_the_front_drains_every_model(mclient):  # last: the app admits nothing afterwards

@@ -355,3 +355,14 @@ def test_a_serving_overhead_lengthens_every_step_and_lowers_predicted_attainment
 
     slower = replace(problem, profiles={"m": served})  # the SLO still judges against the profile as measured
     assert planner.attainment(problem, placement)[0] == 1.0 and planner.attainment(slower, placement)[0] == 0.0
+
+
+def test_a_request_goes_to_the_replica_whose_cores_are_least_busy_over_every_model_on_them():
+    from calid.placement.dispatch import least_loaded
+
+    # routers: 0 = model A on core 0, 1 = model A on core 1, 2 = model B on core 0, 3 = model C anywhere
+    cores = [frozenset({0}), frozenset({1}), frozenset({0}), frozenset()]
+    assert least_loaded([0, 1], [1, 2, 3, 9], cores) == 1  # core 0 carries 1 + 3, core 1 only 2
+    assert least_loaded([0, 1], [1, 2, 1, 9], cores) == 0  # cores tie at 2: the fewest of A's own
+    assert least_loaded([0, 1], [2, 2, 0, 9], cores) == 0  # a tie on both: the lowest index
+    assert least_loaded([3, 1], [0, 1, 0, 0], cores) == 3  # no cores listed: its own in-flight only
