@@ -39,10 +39,12 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     if not cfg.models:
         return _model_app(cfg)
     routers: dict[str, list] = {}  # served name -> its routers (one per group of its placement)
+    cores: dict[str, list] = {}  # served name -> the cores of each of those groups ([]: any)
     for key, c in per_model.items():
         routers.setdefault(c.served_model, []).append(_model_app(c, suffix=f"-{key}"))
-    return ModelFront.options(ray_actor_options={"num_cpus": cfg.router_num_cpus,
-                                                 "resources": cfg.router_resources}).bind(cfg.model_dump(), routers)
+        cores.setdefault(c.served_model, []).append(c.cpu_affinity or [])
+    return ModelFront.options(ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources}
+                              ).bind(cfg.model_dump(), routers, cores)
 
 
 def _model_app(cfg: AppConfig, suffix: str = ""):

@@ -34,7 +34,9 @@ def _metadata(grpc_context) -> tuple:
 
 @serve.deployment(name="router", max_ongoing_requests=4096)
 class ModelFront:
-    def __init__(self, config, routers: dict):
+    def __init__(self, config, routers: dict, cores: dict):
+        """``routers``: served name -> its routers, one per group of its placement; ``cores``: the same shape,
+        each group's cores."""
         self.cfg = load_config(config)
         self.routers = [r for group in routers.values() for r in group]  # every router once
         # served id -> its routers' indexes (one per group of its placement), in the config's order
@@ -43,10 +45,7 @@ class ModelFront:
         self.models = {name: list(range(a, a + n)) for name, a, n in zip(routers, starts, sizes)}
         self.default = next(iter(routers))
         self._in_flight = [0] * len(self.routers)  # Generate / GenerateStream calls at each router now
-        cores: dict[str, list[frozenset]] = {}  # in the routers' order: app.build_app walks the same configs
-        for c in self.cfg.model_configs.values():
-            cores.setdefault(c.served_model, []).append(frozenset(c.cpu_affinity or ()))
-        self._cores = [group for name in routers for group in cores[name]]  # each router's model replica's cores
+        self._cores = [frozenset(group) for name in routers for group in cores[name]]  # each router's, in order
 
     def _router(self, model: str, grpc_context) -> int | None:
         """The named model's router whose cores have the fewest calls in flight over every model on them
