@@ -60,11 +60,11 @@ class LlamaCppError(CalidError):
 
 
 def _lib():
-    # llama.cpp's OpenMP threads spin after every decode by default; beside a second model (the draft)
-    # and torch's own threads on the same cores, the spinning starves whoever runs next (measured: a
-    # 2-token target step 0.13-3.2 s instead of 0.10 s). Passive waiting must be set before the OpenMP
-    # runtime loads; an explicit OMP_WAIT_POLICY wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # llama.cpp's OpenMP threads run on the libgomp.so.1 torch loaded at import (same soname), which read
+    # OMP_WAIT_POLICY then: setting it here would not reach them, only every process started from here on.
+    # It once did (PASSIVE): the Ray workers of a driver that had loaded a model (calid bench modes, the tests)
+    # waited passively, and a served Qwen 1.5B decode step took 51 ms instead of 40 with libgomp's default
+    # (spin a little, then sleep); a fully active policy starves the other replicas. The default stays.
     try:
         import llama_cpp
         from llama_cpp import _logger
