@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-inproc", action="store_true", help="serve only (skip the in-process engine)")
     p.add_argument("--batch-invariant", choices=("on", "off"), default=None, help="override the app config's "
                    "batch_invariant (llama.cpp: exact forwards of at most 3 rows a call)")
+    p.add_argument("--plain-run-ms", type=float, default=None, help="override the app config's plain_run_ms (0: "
+                   "one target step per call, to measure what runs of plain steps save)")
     p.add_argument("--port", type=int, default=50066)
     p.add_argument("--out", default="bench_results")
     p.set_defaults(func=run)
@@ -53,8 +55,8 @@ def _options(args):
     sweep = parse_numbers(args.concurrency, int)
     if any(m not in MODES for m in modes) or any(w not in WORKLOADS for w in workloads) or not workloads:
         raise CalidError(f"--modes takes modes among {', '.join(MODES)}; --workloads among {', '.join(WORKLOADS)}")
-    if not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2:
-        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1 and --max-new-tokens >= 2")
+    if not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2 or (args.plain_run_ms or 0) < 0:
+        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1, --max-new-tokens >= 2 and --plain-run-ms >= 0")
     return ["ar"] + [m for m in modes if m != "ar"], workloads, sorted(set(sweep))
 
 
@@ -77,6 +79,8 @@ def run(args) -> int:
     cfg = base(grpc_port=args.port, http_port=0, max_active=top, queue_capacity=max(64, top), prompt_cache=False)
     if args.batch_invariant is not None:
         cfg = cfg.model_copy(update={"batch_invariant": args.batch_invariant == "on"})
+    if args.plain_run_ms is not None:
+        cfg = cfg.model_copy(update={"plain_run_ms": args.plain_run_ms})
     target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant,
                         prompt_cache=cfg.prompt_cache)
     draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant,
@@ -120,6 +124,7 @@ def run(args) -> int:
         shutdown()
     rows = _rows(samples, caps)
     meta = {"target": cfg.target, "draft": cfg.draft, "batch_invariant": cfg.batch_invariant,
+            "plain_run_ms": cfg.plain_run_ms,
             "new_tokens": args.max_new_tokens, "rounds": args.rounds,
             "cpu": cpu_summary(), "bandwidth_GBps": round(bandwidth, 1), "decode_limit_tok_s": round(limit, 1),
             "verification_cap": None if spec_cap is None else f"{spec_cap[0]:.2f}x at {spec_cap[1]} tokens"}

@@ -438,14 +438,17 @@ class Router:
         drafts += [self._edge_draft(r) for r in edge]  # the clients' own drafts
         events, verify = self.orch.after_draft(states, drafts)
         self._deliver(events)
+        if verify and not edge and not self._waiting:  # a request waiting for a slot would wait out the run
+            self.orch.lengthen_plain_steps(verify, self.cfg.plain_run_ms / 1000)
         if verify:
             self._max_escalation = max(self._max_escalation, len(verify))
             self._metrics.escalation_batch.observe(len(verify))
             results, failed = await self.calls.call("target", verify)
             states = self._drop_failed(states, failed)
             if all(s.stats.target_calls for s in states) and not failed:  # decode steps only: a prefill's size is unknown here
-                for replica, group, _, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
-                    self.orch.observe_verify(sum(1 + len(t.draft) for t in group), seconds, replica)
+                for replica, group, reply, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
+                    forwards = max((r.forwards for r in reply.results), default=1)  # a run of plain steps: per step
+                    self.orch.observe_verify(sum(1 + len(t.draft) for t in group), seconds / forwards, replica)
             self._deliver(self.orch.after_verify(results))
         self.orch.observe_step(time.perf_counter() - start)
         self._end_rounds(edge, before)

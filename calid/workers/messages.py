@@ -66,6 +66,10 @@ class VerifyTask:
     rng: torch.Tensor | None = None
     ids_from: int = 0  # as DraftTask.ids_from
     audit_from: int | None = None  # filter: compare the target's top-1 with each id from this position on
+    # a run of plain steps (ar, no draft): the target feeds each token it picks and picks the next, up to ``steps``
+    # tokens or one of ``stop_ids``, in one call (calid.orchestrator.Orchestrator.lengthen_plain_steps)
+    steps: int = 1
+    stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -79,6 +83,7 @@ class VerifyResult:
     top1: int | None = None  # chain modes: the target's top-1 where it chose its next token
     audit_from: int = 0  # the position of audit[0]
     audit: list[bool] | None = None  # per id from audit_from on (committed, then draft): it is the target's top-1
+    forwards: int = 1  # target forwards it took (a run of plain steps takes one per token)
 
 
 @dataclass

@@ -126,6 +126,10 @@ class TargetWorker:
         if not tasks:
             return []
         require_full_ids(tasks)
+        for t in tasks:
+            if t.steps > 1 and (t.decode.mode != "ar" or t.draft or t.tree is not None):
+                raise ValueError(f"request {t.request_id!r}: a run of {t.steps} plain steps in mode "
+                                 f"{t.decode.mode!r} with a draft (runs are for ar steps only)")
         cap = self.runner.max_sequences
         if cap is not None and len(tasks) > cap:
             return [r for i in range(0, len(tasks), cap) for r in self.verify(tasks[i : i + cap])]
@@ -144,9 +148,28 @@ class TargetWorker:
                   else self._tree_input(t, trees[t.request_id]) if t.request_id in trees
                   else self._chain_input(t) for t in tasks]
         out = self.runner.forward(inputs)
-        return [VerifyResult(t.request_id, [], 0, 0, False, t.rng) if t.request_id in chunks
-                else self._tree_verdict(t, trees[t.request_id], rows) if t.request_id in trees
-                else self._chain_verdict(t, rows) for t, rows in zip(tasks, out)]
+        results = [VerifyResult(t.request_id, [], 0, 0, False, t.rng) if t.request_id in chunks
+                   else self._tree_verdict(t, trees[t.request_id], rows) if t.request_id in trees
+                   else self._chain_verdict(t, rows) for t, rows in zip(tasks, out)]
+        return self._run_plain(tasks, results) if any(t.steps > 1 for t in tasks) else results
+
+    def _run_plain(self, tasks: list[VerifyTask], results: list[VerifyResult]) -> list[VerifyResult]:
+        """Runs of plain steps: a task with ``steps`` > 1 whose token is not a stop id goes on, fed the token it
+        just picked, until it has ``steps`` tokens or picks a stop id; the runs step together, one forward a
+        token. Each step is the ar step the caller would have sent next (same rows, same generator stream), so
+        the tokens are those of as many single calls, without a round trip between them."""
+        results = list(results)
+        going = [i for i, (t, r) in enumerate(zip(tasks, results)) if _runs_on(t, r)]
+        while going:
+            now = [replace(tasks[i], token_ids=tasks[i].token_ids + results[i].tokens, rng=results[i].rng)
+                   for i in going]
+            out = self.runner.forward([self._chain_input(t) for t in now])
+            for i, t, rows in zip(going, now, out):
+                v = self._chain_verdict(t, rows)
+                results[i] = replace(results[i], tokens=results[i].tokens + v.tokens, rng=v.rng, top1=v.top1,
+                                     forwards=results[i].forwards + 1)
+            going = [i for i in going if _runs_on(tasks[i], results[i])]
+        return results
 
     def _plan_chunks(self, tasks: list[VerifyTask], trees: dict) -> dict[Hashable, int]:
         """SARATHI: how many prompt tokens each over-budget task prefills this forward (absent: all of its work)."""
@@ -229,6 +252,12 @@ class TargetWorker:
         self.runner.compact(t.request_id, [committed + i for i in verdict.path], start=committed)
         tokens = [tree.tokens[i] for i in verdict.path] + [verdict.next_token]
         return VerifyResult(t.request_id, tokens, len(verdict.path), tree.max_depth, True, save_generator(generator))
+
+
+def _runs_on(t: VerifyTask, r: VerifyResult) -> bool:
+    """Whether a run of plain steps takes another step: it has a token (not a prefill chunk), fewer than it may
+    take, and the last is not a stop id."""
+    return 0 < len(r.tokens) < t.steps and r.tokens[-1] not in t.stop_ids
 
 
 def _fit_branches(tasks: list[VerifyTask], trees: dict, spare: int) -> list[VerifyTask]:

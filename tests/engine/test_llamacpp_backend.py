@@ -231,6 +231,43 @@ def test_tree_drafts_fit_a_draft_runner_with_fewer_slots_than_their_lanes(ll, pr
     draft.close()
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_run_of_plain_steps_gives_the_tokens_of_single_steps(ll, prompts, sampled):
+    """The router's runs of plain steps (VerifyTask.steps): two requests decoded by one call of 7 steps after their
+    prefill get the tokens of 7 single calls, sampled ones from the same generator streams; a stop id ends a
+    request's run at that token, and the other request runs on."""
+    from calid.workers import TargetWorker
+    from calid.workers.messages import VerifyTask
+
+    worker, ids = TargetWorker(ll.runner), ids_of(ll, prompts[:2])
+    warp = SamplingParams(max_new_tokens=N, temperature=0.8 if sampled else 0.0).warp
+
+    def decode(key, calls, steps=1, stop=frozenset()):
+        out = [[], []]
+        rngs = [torch.Generator().manual_seed(k).get_state() if sampled else None for k in (1, 2)]
+        for n in calls:
+            tasks = [VerifyTask((key, k), ids[k] + out[k], len(ids[k]), DecodeParams(mode="ar"), warp, 0, [],
+                                rng=rngs[k], steps=n, stop_ids=stop) for k in range(2)]
+            res = worker.verify(tasks)
+            for k, r in enumerate(res):
+                out[k] += r.tokens
+                rngs[k] = r.rng
+        return out, res
+
+    single, _ = decode("single", [1] * 8)
+    run, res = decode("run", [1, 7])
+    assert run == single and [r.forwards for r in res] == [7, 7]
+    stop = single[0][3]
+    stopped, _ = decode("stop", [1, 7], stop=frozenset({stop}))
+    for k in range(2):
+        at = next((j for j in range(1, 8) if single[k][j] == stop), 7)
+        assert stopped[k] == single[k][: at + 1]
+    worker.release([(key, k) for key in ("single", "run", "stop") for k in range(2)])
+    with pytest.raises(ValueError, match="ar steps only"):
+        worker.verify([VerifyTask("x", ids[0], len(ids[0]), DecodeParams(mode="speculative"), warp, 0, [5], steps=3)])
+    assert ll.runner.cached_count() == 0
+
+
 def test_llamacpp_draft_for_a_torch_target(smol, ll_draft, prompts):
     """The reverse pairing: torch target (fp32), draft on llama.cpp (the same model quantized)."""
     tgt = open_model(TEST_MODEL, backend="torch", dtype="fp32", **QUIET)

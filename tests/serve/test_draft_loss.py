@@ -4,6 +4,7 @@ between answering and failing as a dead actor does. tests/multinode loses a real
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from serve_helpers import GrpcContext, StandIn
@@ -74,6 +75,15 @@ async def _generate(router, prompt, mode, tokens=24):
     return ctx, list(resp.token_ids)
 
 
+async def _until(cond, jobs, timeout_s: float = 120.0) -> None:
+    """Wait for ``cond`` while the requests run; fail (rather than hang) if they end first or it takes too long."""
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert not all(j.done() for j in jobs), "every request ended before the condition held"
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.005)
+
+
 def test_requests_go_on_without_an_unreachable_draft_and_drafting_resumes_when_it_answers(models, monkeypatch):
     """Greedy speculative and auto requests keep their exact output while the draft is gone (their steps are
     target-only), and draft again once a probe hears from a draft replica."""
@@ -85,14 +95,13 @@ def test_requests_go_on_without_an_unreachable_draft_and_drafting_resumes_when_i
     async def run(lose_after: int | None):
         draft, target = _handles(models)
         router = Router.func_or_class(AppConfig.small(dtype="fp32").model_dump(), draft, target)
-        jobs = [asyncio.ensure_future(_generate(router, p, m)) for p in PROMPTS for m in ("speculative", "auto")]
+        jobs = [asyncio.ensure_future(_generate(router, p, m, tokens=64)) for p in PROMPTS for m in ("speculative", "auto")]
         seen = {}
         if lose_after is not None:
-            while target.answered < lose_after:
-                await asyncio.sleep(0.005)
+            await _until(lambda: target.answered >= lose_after, jobs)
             draft.down = True
-            while target.answered < lose_after + 6:  # target-only steps while the draft is gone
-                await asyncio.sleep(0.005)
+            # target-only calls while the draft is gone (plain steps: runs of several tokens a call)
+            await _until(lambda: target.answered >= lose_after + 3, jobs)
             seen["available"] = router.orch.draft_available
             seen["answered"] = draft.answered
             draft.down = False

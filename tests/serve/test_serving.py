@@ -79,6 +79,19 @@ def test_stream_chunks_add_up_to_the_whole_output(client):
     assert not any(c.finish_reason for c in chunks[:-1])
 
 
+def test_plain_decoding_runs_several_target_steps_a_call_with_the_same_tokens(client, local_engine, smol):
+    """ar past its prefill: the router has the target run several steps a call (plain_run_ms), so the round trip
+    is paid once per run; the stream carries exactly the tokens of one step a call (the in-process engine's)."""
+    want = _local(local_engine, smol.tokenizer, PROMPTS[:1], "ar", 40)[0]
+    before = handle("calid", "target").stats.remote().result()
+    chunks = list(client.stream(PROMPTS[0], max_new_tokens=40, mode="ar"))
+    calls = handle("calid", "target").stats.remote().result()["batches"] - before["batches"]
+    assert [t for c in chunks for t in c.token_ids] == want.output_ids
+    assert "".join(c.text for c in chunks) == want.text and chunks[-1].finish_reason == want.finish_reason
+    assert chunks[-1].stats["target_calls"] == want.stats.target_calls  # forwards, however many a call ran
+    assert 2 <= calls <= len(want.output_ids) // 2
+
+
 def test_sixteen_concurrent_streams_are_correct_and_batched(small_app, local_engine, smol):
     from calid.client import AsyncClient
 

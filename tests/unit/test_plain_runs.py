@@ -1,0 +1,85 @@
+"""Runs of plain steps: where every request of a step decodes plain, the router lets the target run several
+tokens in one call (Orchestrator.lengthen_plain_steps), and the worker's run gives the tokens of as many single
+steps (tests/engine/test_llamacpp_backend.py checks that on a real model)."""
+import pytest
+
+from calid.decoding.modes import DecodeParams
+from calid.generation import GenerationRequest, SamplingParams
+from calid.orchestrator import MAX_RUN_STEPS, Orchestrator
+from calid.workers.messages import VerifyResult
+
+EOS = 2
+
+
+class _Tokenizer:
+    def decode(self, ids, **kw):
+        return " ".join(map(str, ids))
+
+
+def _orchestrator(step_s: float = 0.040, max_position: int = 512) -> Orchestrator:
+    orch = Orchestrator(_Tokenizer(), frozenset({EOS}), max_position=max_position, has_draft=False)
+    for size in (1, 2, 4):
+        orch.observe_verify(size, step_s * (1 + 0.1 * (size - 1)))
+    return orch
+
+
+def _start(orch, rid, mode="ar", max_new_tokens=64, prompt=(5, 6, 7), decoded=True, **params):
+    s = orch.start(orch.validate(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=max_new_tokens, **params),
+                                                   request_id=rid, decode=DecodeParams(mode=mode))))
+    if decoded:  # past its prefill: the target has answered it once
+        orch.after_verify([VerifyResult(rid, [9], 0, 0, False)])
+    return s
+
+
+def _tasks(orch, states):
+    events, tasks = orch.after_draft(states, [])
+    assert not events
+    return tasks
+
+
+def test_plain_decode_steps_run_as_many_forwards_as_fit_the_budget():
+    orch = _orchestrator(step_s=0.040)
+    states = [_start(orch, "a"), _start(orch, "b")]
+    tasks = _tasks(orch, states)
+    assert orch.lengthen_plain_steps(tasks, 0.150) == 3  # 0.150 s / 0.044 s per 2-request step
+    assert [t.steps for t in tasks] == [3, 3]
+    assert all(t.stop_ids == {EOS} for t in tasks)
+    tasks = _tasks(orch, states)
+    assert orch.lengthen_plain_steps(tasks, 10.0) == MAX_RUN_STEPS
+
+
+def test_a_run_is_cut_to_each_requests_tokens_and_context_left_and_ignore_eos_drops_the_stop():
+    orch = _orchestrator(step_s=0.010, max_position=12)
+    short = _start(orch, "short", max_new_tokens=3)  # 1 produced, 2 left
+    near = _start(orch, "near", prompt=tuple(range(10, 19)))  # 10 ids of 12 positions
+    free = _start(orch, "free", ignore_eos=True)
+    tasks = _tasks(orch, [short, near, free])
+    assert orch.lengthen_plain_steps(tasks, 0.150) > 2
+    assert [t.steps for t in tasks] == [2, 2, MAX_RUN_STEPS]
+    assert tasks[2].stop_ids == frozenset()
+
+
+@pytest.mark.parametrize("case", ["draft mode", "prefilling", "first call", "no costs", "no budget", "slow step"])
+def test_steps_stay_single_unless_every_request_decodes_plain_past_its_prefill(case):
+    orch = _orchestrator(step_s=0.200 if case == "slow step" else 0.040)
+    if case == "no costs":
+        orch = Orchestrator(_Tokenizer(), frozenset({EOS}), max_position=512, has_draft=False)
+    other = _start(orch, "b", decoded=case != "first call")
+    if case == "prefilling":
+        other.prefilling = True
+    states = [_start(orch, "a"), other]
+    tasks = _tasks(orch, states)
+    if case == "draft mode":
+        tasks[1].draft = [4, 4]
+    assert orch.lengthen_plain_steps(tasks, 0 if case == "no budget" else 0.150) == 1
+    assert [t.steps for t in tasks] == [1, 1]
+
+
+def test_a_runs_tokens_are_appended_until_the_request_ends_and_count_as_target_forwards():
+    orch = _orchestrator()
+    s = _start(orch, "a", max_new_tokens=64, stop=("7 8",))
+    events = orch.after_verify([VerifyResult("a", [4, 7, 8, 5], 0, 0, False, forwards=4)])
+    assert [t for e in events for t in e.token_ids] == [4, 7, 8]  # the stop string ends it; the run's last token is dropped
+    assert s.output == [9, 4, 7, 8]
+    assert s.finish_reason == "stop"
+    assert s.stats.target_calls == 1 + 4
