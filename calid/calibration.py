@@ -9,7 +9,7 @@ import time
 from calid.planning import CostTable
 from calid.runtime.runner import SeqInput
 
-VERIFY_SIZES = (1, 2, 4, 8, 16)
+VERIFY_SIZES = (1, 2, 4, 8, 16, 32)  # up to an n-gram copy's length (calid.decoding.ngram.MAX_CHAIN)
 DRAFT_BATCHES = (1, 2, 4, 8)
 CONTEXT = 64  # tokens cached before the timed forwards, like a request past its prompt
 

@@ -25,21 +25,17 @@ from typing import Callable, Hashable
 
 from calid.decoding.budget import AgreementTable, BudgetController
 from calid.decoding.modes import DecodeParams
-from calid.decoding.ngram import NgramIndex
+from calid.decoding.ngram import MAX_CHAIN, CopyRecord, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
 from calid.planning import AR, Acceptance, CostTable, Gain, PlanInput, StepGuard, plan_steps
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
-# what a request's n-gram acceptance starts from: the server's running estimate over every request's n-gram
-# drafts (so a workload that copies little stops trying them), weighing as much as this many of its own drafts
-NGRAM_PRIOR_WEIGHT = 2.0
 # a budget request whose draft has been confident all along still has the target look (catch up, compare its
 # top-1 with each draft token, add one token) once this many draft tokens await it: a budget needs feedback.
 # Other audited requests are only observed: their output is what it would be unaudited
 AUDIT_SPAN = 32
-NGRAM_PRIOR = (6.0, 1.0)  # (accepted tokens, rejections) before any n-gram draft was verified: alpha 0.78
 MAX_RUN_STEPS = 8  # most plain steps one target call runs (lengthen_plain_steps)
 
 
@@ -67,11 +63,10 @@ class Orchestrator:
         self._lookahead_gain: dict[Hashable, Gain] = {}  # auto requests: what their Lookahead steps yield
         self._tree_acceptance: dict[Hashable, Acceptance] = {}  # auto requests: how their token trees fare
         self._step_decode: dict[Hashable, DecodeParams] = {}  # auto requests: this step's effective mode
-        # auto requests: n-gram drafts (calid.decoding.ngram) from each request's own ids, their acceptance per
-        # request and over all requests, and this step's n-gram chains (verified as speculative, no draft call)
+        # auto requests: n-gram drafts (calid.decoding.ngram) from each request's own ids, what its proposals
+        # would have yielded (drafted or not), and this step's n-gram chains (verified as speculative, no draft call)
         self._ngrams: dict[Hashable, NgramIndex] = {}
-        self._ngram_acceptance: dict[Hashable, Acceptance] = {}
-        self.ngram_acceptance = Acceptance(*NGRAM_PRIOR)
+        self._copies: dict[Hashable, CopyRecord] = {}
         self._ngram_step: dict[Hashable, list[int]] = {}
         self._ngram_proposal: dict[Hashable, list[int]] = {}  # this step's n-gram proposal per auto request
         self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
@@ -146,7 +141,7 @@ class Orchestrator:
         self._step_decode.pop(request_id, None)
         self._plain.discard(request_id)
         self._ngrams.pop(request_id, None)
-        self._ngram_acceptance.pop(request_id, None)
+        self._copies.pop(request_id, None)
         self._ngram_step.pop(request_id, None)
         self._ngram_proposal.pop(request_id, None)
         self._draft_seen.pop(request_id, None)
@@ -271,20 +266,17 @@ class Orchestrator:
         cap = 0 if s.prefilling else self._draft_budget(s, decode.gamma)
         ngram = self._ngrams.setdefault(rid, NgramIndex())
         ngram.extend(s.token_ids)
-        proposal = self._ngram_proposal[rid] = ngram.propose(cap)
+        copies = self._copies.setdefault(rid, CopyRecord())
+        copies.resolve(s.token_ids)
+        # a copy is not bound by gamma (a draft model's chain length): it costs only its verification
+        proposal = self._ngram_proposal[rid] = ngram.propose(
+            0 if s.prefilling else self._draft_budget(s, max(decode.gamma, MAX_CHAIN)))
+        copies.propose(len(s.token_ids), proposal)
         return PlanInput(self._acceptance.setdefault(rid, Acceptance()).alpha, cap,
                          self._lookahead_gain.setdefault(rid, Gain()).mean,
                          tree.alpha if tree else None, decode.tree_width, decode.tree_chains,
-                         ngram=len(proposal), ngram_alpha=self._ngram_alpha(rid),
+                         ngram=len(proposal), ngram_survival=tuple(copies.survival(len(proposal))),
                          draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids) - self._draft_seen.get(rid, 0) - 1))
-
-    def _ngram_alpha(self, rid: Hashable) -> float:
-        """A request's n-gram acceptance: its own drafts' record, started from the server-wide estimate."""
-        if rid not in self._ngram_acceptance:
-            g = self.ngram_acceptance
-            w = NGRAM_PRIOR_WEIGHT / max(1.0, g.accepted + g.rejected)
-            self._ngram_acceptance[rid] = Acceptance(g.accepted * w, g.rejected * w)
-        return self._ngram_acceptance[rid].alpha
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
@@ -360,8 +352,7 @@ class Orchestrator:
             rid = s.req.request_id
             step_mode = self.decode_of(s).mode if s.req.decode.mode == "auto" else None
             if rid in self._ngram_step:
-                self._ngram_acceptance[rid].observe(v.accepted, v.proposed)
-                self.ngram_acceptance.observe(v.accepted, v.proposed)
+                pass  # an n-gram chain: the request's CopyRecord reads the outcome from its committed tokens
             elif step_mode == "lookahead":
                 self._lookahead_gain[rid].observe(v.accepted)
             elif step_mode == "tree" and rid in self._tree_acceptance:

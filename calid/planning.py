@@ -16,7 +16,8 @@ Terms:
   lookahead gain a request's running estimate of the draft tokens a Lookahead step
                  (drafts from the target's n-gram trie, no draft model) gets accepted;
   n-gram draft   a chain copied from the request's own earlier tokens (calid.decoding.ngram): no draft
-                 time, only its verification; its acceptance is a running estimate like a chain's;
+                 time, only its verification; what it yields is read from the request's record of its
+                 proposals, drafted or not (CopyRecord: the chance its first j tokens hold, per j);
   tree acceptance a request's running estimate of the chance that a depth of its token tree
                  holds the target's token (the draft's top-1 plus, where the draft is unsure,
                  its next-best tokens as siblings); a tree verifies more tokens than a chain
@@ -25,8 +26,8 @@ Terms:
                  Lookahead step, maximising
                  the expected tokens per second of the whole step:
                    sum_i E_i / (draft time + target time)
-                 E_i = (1 - a^(g+1)) / (1 - a) for a chain (a = alpha, or the n-gram acceptance) or
-                 a tree (a = its acceptance), 1 + gain for Lookahead, 1 for ar;
+                 E_i = (1 - a^(g+1)) / (1 - a) for a chain (a = alpha) or a tree (a = its acceptance),
+                 1 + S(1) + ... + S(g) for an n-gram chain, 1 + gain for Lookahead, 1 for ar;
                  draft time = sum over depths d of draft_step(draft lanes at depth d: one per
                  chain, tree_chains per tree, over the requests drafting d or more deep),
                  plus the draft model's catch-up on tokens it has not seen, for the requests it drafts for,
@@ -150,14 +151,15 @@ class PlanInput:
     tree_alpha: float | None = None  # acceptance estimate of a token tree's depth; None: not an option
     tree_width: int = 3  # tokens a tree tries where the draft is unsure (its siblings: width - 1)
     tree_chains: int = 1  # draft chains a tree grows (draft lanes per depth)
-    ngram: int = 0  # tokens an n-gram draft proposes now (0: no match, not an option)
-    ngram_alpha: float = 0.5  # acceptance estimate of an n-gram chain
+    ngram: int = 0  # tokens an n-gram draft proposes now, within its own cap (0: no match, not an option)
+    # S(1..ngram): the chance that the proposal's first j tokens are accepted (calid.decoding.ngram.CopyRecord)
+    ngram_survival: tuple[float, ...] = ()
     draft_setup_s: float = 0.0  # the draft model's catch-up before it can draft for this request (tokens it has
     # not seen x its prefill cost per token): paid by this step if the request picks a chain or a tree
 
     def options(self, drafts: bool) -> list[Choice]:
         """Every choice open to this request (``drafts``: a draft model's cost is known)."""
-        out = [AR] + [Choice("ngram", g) for g in range(1, min(self.cap, self.ngram) + 1)]
+        out = [AR] + [Choice("ngram", g) for g in range(1, self.ngram + 1)]  # the proposal is capped already
         if drafts:
             out += [Choice("speculative", g) for g in range(1, self.cap + 1)]
             if self.tree_alpha is not None:
@@ -171,7 +173,7 @@ class PlanInput:
         if c.mode == "speculative":
             return expected_tokens(self.alpha, c.gamma)
         if c.mode == "ngram":
-            return expected_tokens(self.ngram_alpha, c.gamma)
+            return 1.0 + sum(self.ngram_survival[: c.gamma])
         if c.mode == "tree":
             return expected_tokens(self.tree_alpha, c.gamma)
         return 1.0 + self.lookahead_gain if c.mode == "lookahead" else 1.0

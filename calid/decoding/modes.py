@@ -20,7 +20,8 @@ class DecodeParams:
                   length, tree with a depth, or lookahead, from measured costs and the request's
                   chain and tree acceptance and lookahead yield; calid.planning)
     gamma         most draft tokens per target call (tree: length of the main branch;
-                  lookahead: most tree nodes, capped by the trie's decoding length)
+                  lookahead: most tree nodes, capped by the trie's decoding length; auto's n-gram
+                  copies of the request's own tokens run up to max(gamma, 32): they cost no draft time)
     tree_width    tree: tokens tried at an unconfident position (main + width-1 alternatives)
     tree_chains   tree: draft chains merged by common prefix (SpecInfer); chain j opens with
                   the draft's j-th best first token, all chains drafted in one batched forward

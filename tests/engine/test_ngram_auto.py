@@ -55,6 +55,23 @@ def test_auto_copies_grounded_answers_and_keeps_ar_output(ll):
     assert ll.runner.cached_count() == 0
 
 
+def test_a_copy_that_holds_runs_past_gamma_in_one_target_call(ll):
+    """The model repeats a 46-token line: once the request's record shows its copies holding, a step verifies
+    far more copied tokens than gamma (a draft model's chain length), and the output is still ar's."""
+    ids = [ll.tokenizer.encode("values = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]\n" * 4)]
+    new = 64
+    reqs = lambda: [GenerationRequest(list(ids[0]), SamplingParams(max_new_tokens=new), decode=DecodeParams(mode=m))
+                    for m in ("ar", "auto")]
+    ar = Engine(ll.runner, ll.tokenizer, ll.eos_ids).generate(reqs()[:1])[0]
+    engine = Engine(ll.runner, ll.tokenizer, ll.eos_ids)
+    engine.set_costs(cheap_verify(), CostTable())
+    auto = engine.generate(reqs()[1:])[0]
+    assert auto.output_ids == ar.output_ids and len(ar.output_ids) == new
+    gamma = DecodeParams(mode="auto").gamma
+    assert len(auto.stats.accepted_at) > 2 * gamma and auto.stats.accepted_at[2 * gamma] > 0, auto.stats.accepted_at
+    assert auto.stats.draft_tokens > new / 2 and auto.stats.target_calls < new / 4
+
+
 def test_sampled_auto_requests_take_ngram_drafts_too(ll):
     """Sampled requests verify n-gram chains as one-hot drafts (the rule's statistical test is in
     tests/unit/test_acceptance.py). Their text for a seed depends on the plan, which follows live timings."""

@@ -17,6 +17,11 @@ CPU_LIKE = table({1: 0.036, 2: 0.060, 4: 0.095, 8: 0.173, 16: 0.219})  # llama.c
 CHEAP_DRAFT = table({1: 0.002, 16: 0.004})
 
 
+def copy(n: int, alpha: float) -> dict:
+    """An n-gram proposal of ``n`` tokens each of which holds with chance ``alpha`` (given the ones before)."""
+    return {"ngram": n, "ngram_survival": tuple(alpha ** j for j in range(1, n + 1))}
+
+
 def spec(g: int) -> Choice:
     return Choice("speculative", g)
 
@@ -128,23 +133,39 @@ def test_a_batch_drafts_together_where_no_single_request_would_alone():
 # ---- n-gram drafts (copies of the request's own tokens): verification only, no draft time ---------------
 
 def test_an_ngram_chain_is_taken_where_it_pays_and_only_as_long_as_the_match():
-    grounded = PlanInput(alpha=0.5, cap=8, ngram=5, ngram_alpha=0.95)
+    grounded = PlanInput(alpha=0.5, cap=8, **copy(5, 0.95))
     assert plan_steps([grounded], GPU_LIKE, CHEAP_DRAFT) == [Choice("ngram", 5)]
     assert plan_steps([grounded], GPU_LIKE, CostTable()) == [Choice("ngram", 5)]  # no draft model needed
 
 
+def test_an_ngram_chain_may_run_past_the_draft_length():
+    """The request's cap (gamma) bounds draft-model chains; an n-gram proposal comes capped by its own limit."""
+    long = PlanInput(alpha=0.5, cap=8, **copy(20, 0.97))
+    assert Choice("ngram", 20) in long.options(True)
+    assert plan_steps([long], GPU_LIKE, CostTable()) == [Choice("ngram", 20)]
+
+
+def test_an_ngram_chain_is_worth_what_its_survival_says_position_by_position():
+    """A copy that holds for 12 tokens and then breaks: worth 13 tokens at 12, nothing more past it, so on a
+    compute-bound CPU (cost(13) ~ 5.5 steps) the planner verifies exactly 12."""
+    holds = PlanInput(alpha=0.5, cap=8, ngram=20, ngram_survival=(0.97,) * 12 + (0.0,) * 8)
+    assert holds.tokens(Choice("ngram", 12)) == pytest.approx(1 + 12 * 0.97)
+    assert holds.tokens(Choice("ngram", 20)) == holds.tokens(Choice("ngram", 12))
+    assert plan_steps([holds], CPU_LIKE, CostTable()) == [Choice("ngram", 12)]
+
+
 def test_no_match_or_a_poor_record_means_no_ngram_chain():
     assert all(c.mode != "ngram" for c in PlanInput(alpha=0.5, cap=8, ngram=0).options(True))
-    assert plan_steps([PlanInput(alpha=0.1, cap=8, ngram=6, ngram_alpha=0.1)], CPU_LIKE, CostTable()) == [AR]
+    assert plan_steps([PlanInput(alpha=0.1, cap=8, **copy(6, 0.1))], CPU_LIKE, CostTable()) == [AR]
 
 
 def test_on_a_compute_bound_cpu_an_ngram_chain_needs_a_high_acceptance():
     """Verifying 5 tokens costs ~3 steps on CPU_LIKE: a chain copied from the input pays only when it is
     nearly always right; a draft model's chain of the same acceptance never pays (its draft time too)."""
     draft = table({1: 0.017, 8: 0.08})
-    assert plan_steps([PlanInput(alpha=0.97, cap=8, ngram=8, ngram_alpha=0.97)], CPU_LIKE, draft)[0].mode == "ngram"
+    assert plan_steps([PlanInput(alpha=0.97, cap=8, **copy(8, 0.97))], CPU_LIKE, draft)[0].mode == "ngram"
     assert plan_steps([PlanInput(alpha=0.97, cap=8)], CPU_LIKE, draft) == [AR]
-    assert plan_steps([PlanInput(alpha=0.5, cap=8, ngram=8, ngram_alpha=0.5)], CPU_LIKE, draft) == [AR]
+    assert plan_steps([PlanInput(alpha=0.5, cap=8, **copy(8, 0.5))], CPU_LIKE, draft) == [AR]
 
 
 def test_a_draft_that_must_catch_up_first_pays_for_it_in_the_step():
@@ -154,7 +175,7 @@ def test_a_draft_that_must_catch_up_first_pays_for_it_in_the_step():
     cold = PlanInput(alpha=0.9, cap=8, draft_setup_s=300 * 0.002)
     assert plan_steps([warm], GPU_LIKE, CHEAP_DRAFT)[0].mode == "speculative"
     assert plan_steps([cold], GPU_LIKE, CHEAP_DRAFT) == [AR]
-    assert plan_steps([PlanInput(alpha=0.9, cap=8, ngram=4, ngram_alpha=0.9, draft_setup_s=1.0)], GPU_LIKE,
+    assert plan_steps([PlanInput(alpha=0.9, cap=8, **copy(4, 0.9), draft_setup_s=1.0)], GPU_LIKE,
                       CHEAP_DRAFT) == [Choice("ngram", 4)]  # an n-gram chain needs no draft model
 
 
