@@ -12,11 +12,14 @@ what serving adds per router step (the router's step time less the workers' forw
 server's own counters), the share of tokens that came from drafts, and greedy agreement with ar. Beside
 them: the CPU flags, the bandwidth limit of one decode step, and filter's physical cap at each C (every
 token still passes through the target when it catches up, so filter cannot beat ar by more than
-ar's cost per token / (target cost per token in catch-up chunks + the draft's cost per token)).
+ar's cost per token / (target cost per token in catch-up chunks + the draft's cost per token)), and per
+workload the n-gram bound: what an oracle that knew which copied tokens ar confirms would gain at one request
+with the timed forward costs (calid.bench.ngram_bound), the ceiling for auto's n-gram drafts.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import statistics
 import sys
 import time
@@ -64,6 +67,7 @@ def run(args) -> int:
     from calid.backends import cpu_summary, open_draft, open_model
     from calid.bench.data import grounded_prompts, humaneval_prompts
     from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
+    from calid.bench.ngram_bound import ngram_bound
     from calid.bench.report import write_report
     from calid.calibration import verification_cap
     from calid.engine import Engine
@@ -97,7 +101,8 @@ def run(args) -> int:
     spec_cap = None
     if engine is not None and "auto" in modes:
         engine.calibrate()  # as the served app's warm-up below calibrates its router: not inside a timed point
-        spec_cap = verification_cap(engine.orchestrator.verify_cost)
+        calibrated = copy.deepcopy(engine.orchestrator.verify_cost)  # one request's forwards (live timings move it)
+        spec_cap = verification_cap(calibrated)
         costs = ", ".join(f"{k}: {1000 * t:.0f}" for k, t in engine.orchestrator.verify_cost.as_dict().items())
         print(f"verification cap (one request, every draft token accepted, drafts free): {spec_cap[0]:.2f}x at a "
               f"{spec_cap[1]}-token forward; target forward ms by tokens: {costs}", file=sys.stderr)
@@ -122,12 +127,21 @@ def run(args) -> int:
         caps = _filter_caps(engine, sweep) if engine is not None and "filter" in modes else {}
     finally:
         shutdown()
+    bounds = {}
+    if spec_cap is not None:  # the in-process cost table is known
+        for w in workloads:
+            ids = [encode_prompt(target.tokenizer, t) for t in texts[w][:top]]
+            bounds[w] = ngram_bound(ids, samples[(w, top, "ar")][-1]["outputs"], calibrated)
+            print(f"n-gram bound, {w}: {bounds[w].ratio:.2f}x ar at one request (an oracle that verifies exactly the "
+                  f"n-gram tokens ar confirms, where they pay: {bounds[w].copied} of {bounds[w].tokens} tokens)",
+                  file=sys.stderr)
     rows = _rows(samples, caps)
     meta = {"target": cfg.target, "draft": cfg.draft, "batch_invariant": cfg.batch_invariant,
             "plain_run_ms": cfg.plain_run_ms,
             "new_tokens": args.max_new_tokens, "rounds": args.rounds,
             "cpu": cpu_summary(), "bandwidth_GBps": round(bandwidth, 1), "decode_limit_tok_s": round(limit, 1),
-            "verification_cap": None if spec_cap is None else f"{spec_cap[0]:.2f}x at {spec_cap[1]} tokens"}
+            "verification_cap": None if spec_cap is None else f"{spec_cap[0]:.2f}x at {spec_cap[1]} tokens",
+            "ngram_bound": {w: f"{b.ratio:.2f}x ({b.copied}/{b.tokens} tokens copied)" for w, b in bounds.items()}}
     notes = [
         "served_vs_ar / inproc_vs_ar: tokens/s relative to ar at the same workload and concurrency (median of rounds)",
         "served_vs_inproc: served tokens/s / in-process tokens/s for the same requests (1.0 = serving costs nothing)",
@@ -143,12 +157,15 @@ def run(args) -> int:
         "verification cap: max over forward sizes k of k x cost(1) / cost(k), timed in process: what lossless "
         "drafting could gain at one request if every draft token were accepted and drafts cost nothing "
         "(calid.calibration.verification_cap); under load, less",
+        "ngram_bound: the most any planner of n-gram drafts gains at one request on this workload: an oracle "
+        "replays ar's outputs through each request's n-gram index and verifies exactly the proposed tokens ar "
+        "confirms, as long a prefix as pays at the timed forward costs (calid.bench.ngram_bound); under load, less",
     ]
     name = f"modes-{'small' if args.small else 'qwen'}-{'invariant' if cfg.batch_invariant else 'batched'}"
     js, md = write_report(Path(args.out), name, "the server's choices vs plain decoding, served and in process",
                           meta, rows, COLUMNS, notes)
     print(md.read_text())
-    print(_verdict(rows, modes), file=sys.stderr)
+    print(_verdict(rows, modes, bounds), file=sys.stderr)
     print(f"wrote {js} and {md}", file=sys.stderr)
     return 0
 
@@ -223,8 +240,8 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
     return rows
 
 
-def _verdict(rows: list[dict], modes: list[str]) -> str:
-    """The issue's targets, point by point."""
+def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None) -> str:
+    """The issue's targets, point by point (``bounds``: the n-gram bound per workload)."""
     lines = []
     for r in rows:
         goal = {"auto": 1.3 if r["workload"] == "grounded" else 0.98, "filter": 1.3}.get(r["mode"])
@@ -233,7 +250,9 @@ def _verdict(rows: list[dict], modes: list[str]) -> str:
             lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: {r['served_vs_ar']:.2f}x ar served "
                          f"(target >= {goal}: {'met' if ok else 'missed'})"
                          + (f"; cap on this machine {r['filter_cap']:.2f}x" if r["mode"] == "filter"
-                            and isinstance(r["filter_cap"], float) else ""))
+                            and isinstance(r["filter_cap"], float) else "")
+                         + (f"; n-gram bound on this machine {bounds[r['workload']].ratio:.2f}x at c1"
+                            if r["mode"] == "auto" and r["workload"] in (bounds or {}) else ""))
         if r["served_vs_inproc"] == r["served_vs_inproc"]:  # not NaN
             lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: served/in-process "
                          f"{r['served_vs_inproc']:.2f} (target >= 0.9: {'met' if r['served_vs_inproc'] >= 0.9 else 'missed'})")
