@@ -103,7 +103,7 @@ def run(args) -> int:
         engine.calibrate()  # as the served app's warm-up below calibrates its router: not inside a timed point
         calibrated = copy.deepcopy(engine.orchestrator.verify_cost)  # one request's forwards (live timings move it)
         spec_cap = verification_cap(calibrated)
-        costs = ", ".join(f"{k}: {1000 * t:.0f}" for k, t in engine.orchestrator.verify_cost.as_dict().items())
+        costs = ", ".join(f"{k}: {1000 * t:.0f}" for k, t in calibrated.as_dict().items())
         print(f"verification cap (one request, every draft token accepted, drafts free): {spec_cap[0]:.2f}x at a "
               f"{spec_cap[1]}-token forward; target forward ms by tokens: {costs}", file=sys.stderr)
     serve_app(cfg, dashboard=False)

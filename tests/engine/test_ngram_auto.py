@@ -38,8 +38,8 @@ def cheap_verify() -> CostTable:
 
 
 def run(engine, ids, mode, **params):
-    reqs = [GenerationRequest(list(i), SamplingParams(max_new_tokens=N, **params), decode=DecodeParams(mode=mode))
-            for i in ids]
+    params.setdefault("max_new_tokens", N)
+    reqs = [GenerationRequest(list(i), SamplingParams(**params), decode=DecodeParams(mode=mode)) for i in ids]
     return engine.generate(reqs)
 
 
@@ -60,12 +60,10 @@ def test_a_copy_that_holds_runs_past_gamma_in_one_target_call(ll):
     far more copied tokens than gamma (a draft model's chain length), and the output is still ar's."""
     ids = [ll.tokenizer.encode("values = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]\n" * 4)]
     new = 64
-    reqs = lambda: [GenerationRequest(list(ids[0]), SamplingParams(max_new_tokens=new), decode=DecodeParams(mode=m))
-                    for m in ("ar", "auto")]
-    ar = Engine(ll.runner, ll.tokenizer, ll.eos_ids).generate(reqs()[:1])[0]
+    ar = run(Engine(ll.runner, ll.tokenizer, ll.eos_ids), ids, "ar", max_new_tokens=new)[0]
     engine = Engine(ll.runner, ll.tokenizer, ll.eos_ids)
     engine.set_costs(cheap_verify(), CostTable())
-    auto = engine.generate(reqs()[1:])[0]
+    auto = run(engine, ids, "auto", max_new_tokens=new)[0]
     assert auto.output_ids == ar.output_ids and len(ar.output_ids) == new
     gamma = DecodeParams(mode="auto").gamma
     assert len(auto.stats.accepted_at) > 2 * gamma and auto.stats.accepted_at[2 * gamma] > 0, auto.stats.accepted_at
