@@ -25,10 +25,10 @@ from typing import Callable, Hashable
 
 from calid.decoding.budget import AgreementTable, BudgetController
 from calid.decoding.modes import DecodeParams
-from calid.decoding.ngram import MAX_CHAIN, CopyRecord, NgramIndex
+from calid.decoding.ngram import MAX_CHAIN, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import AR, Acceptance, CostTable, Gain, PlanInput, StepGuard, plan_steps
+from calid.planning import AR, Acceptance, CostTable, Gain, PlanInput, StepGuard, draft_depth, plan_steps
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -63,17 +63,17 @@ class Orchestrator:
         self._lookahead_gain: dict[Hashable, Gain] = {}  # auto requests: what their Lookahead steps yield
         self._tree_acceptance: dict[Hashable, Acceptance] = {}  # auto requests: how their token trees fare
         self._step_decode: dict[Hashable, DecodeParams] = {}  # auto requests: this step's effective mode
-        # auto requests: n-gram drafts (calid.decoding.ngram) from each request's own ids, what its proposals
-        # would have yielded (drafted or not), and this step's n-gram chains (verified as speculative, no draft call)
+        # auto requests: n-gram drafts (calid.decoding.ngram) from each request's own ids, and this step's
+        # n-gram chains (verified as speculative, no draft call)
         self._ngrams: dict[Hashable, NgramIndex] = {}
-        self._copies: dict[Hashable, CopyRecord] = {}
         self._ngram_step: dict[Hashable, list[int]] = {}
         self._ngram_proposal: dict[Hashable, list[int]] = {}  # this step's n-gram proposal per auto request
         self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
         # the planner's plans against measured outcomes: steps that drafted vs plain steps, per batch size; the
         # caller times each whole step (observe_step), and the guard may run a planned drafting step plain
         self.guard: StepGuard | None = StepGuard()  # None: plans are followed as made (pinned cost tables)
-        self._timed_step: tuple[list[RequestState], bool, int] | None = None  # this step's states, drafted, tokens
+        # this step's states, how deep it drafts (calid.planning.draft_depth; 0: plain), the tokens before it
+        self._timed_step: tuple[list[RequestState], int, int] | None = None
         # the draft model's catch-up: seconds per token it prefills (measured by the caller), and how many of each
         # request's ids its last draft task carried (what its cache holds, unless evicted)
         self.draft_prefill_s = 0.0
@@ -141,7 +141,6 @@ class Orchestrator:
         self._step_decode.pop(request_id, None)
         self._plain.discard(request_id)
         self._ngrams.pop(request_id, None)
-        self._copies.pop(request_id, None)
         self._ngram_step.pop(request_id, None)
         self._ngram_proposal.pop(request_id, None)
         self._draft_seen.pop(request_id, None)
@@ -186,9 +185,9 @@ class Orchestrator:
         (caller-measured): the guard's measure of steps that drafted vs plain steps, for auto steps past their
         prefill."""
         if self._timed_step is not None and self.guard is not None:
-            states, drafted, before = self._timed_step
+            states, depth, before = self._timed_step
             self._timed_step = None
-            self.guard.observe(len(states), drafted, seconds, sum(len(s.output) for s in states) - before)
+            self.guard.observe(len(states), depth, seconds, sum(len(s.output) for s in states) - before)
 
     def decode_of(self, s: RequestState) -> DecodeParams:
         """The mode a request runs this step (auto: what the planner chose)."""
@@ -237,19 +236,23 @@ class Orchestrator:
         by_replica: dict[Hashable | None, list[RequestState]] = {}
         for s in states:
             by_replica.setdefault(self.replica_of(s.req.request_id), []).append(s)
-        plans = []
+        plans, extra = [], []  # extra: tokens each request's choice expects beyond a plain step's one
         for replica, group in by_replica.items():
             auto = [s for s in group if s.req.decode.mode == "auto"]
             if auto:
-                plans += zip(auto, plan_steps([self._plan_input(s) for s in auto], self.verify_cost_of(replica),
-                                              draft_cost, fixed_tokens=len(group) - len(auto)))
+                inputs = [self._plan_input(s) for s in auto]
+                chosen = plan_steps(inputs, self.verify_cost_of(replica), draft_cost,
+                                    fixed_tokens=len(group) - len(auto))
+                plans += zip(auto, chosen)
+                extra += [r.tokens(c) - 1 for r, c in zip(inputs, chosen)]
         drafts = any(c.mode != "ar" for _, c in plans)
-        if drafts and self.guard is not None and not self.guard.allow(len(states)):  # drafting measurably loses at this size: run plain
-            plans, drafts = [(s, AR) for s, _ in plans], False
+        depth = draft_depth(sum(extra)) if drafts else 0
+        if depth and self.guard is not None and not self.guard.allow(len(states), depth):
+            plans, depth = [(s, AR) for s, _ in plans], 0  # drafting this deep measurably loses at this size: plain
         # a step that prefills (a new request's whole prompt, or a chunk of it) says nothing of decoding: under a
         # closed loop at 8 requests such steps made plain steps read 137 ms per token instead of ~28
         if all(s.stats.target_calls for s in states):
-            self._timed_step = (states, drafts, sum(len(s.output) for s in states))
+            self._timed_step = (states, depth, sum(len(s.output) for s in states))
         self.planned.update(c.mode for _, c in plans)
         for s, c in plans:
             rid = s.req.request_id
@@ -266,16 +269,13 @@ class Orchestrator:
         cap = 0 if s.prefilling else self._draft_budget(s, decode.gamma)
         ngram = self._ngrams.setdefault(rid, NgramIndex())
         ngram.extend(s.token_ids)
-        copies = self._copies.setdefault(rid, CopyRecord())
-        copies.resolve(s.token_ids)
         # a copy is not bound by gamma (a draft model's chain length): it costs only its verification
-        proposal = self._ngram_proposal[rid] = ngram.propose(
-            0 if s.prefilling else self._draft_budget(s, max(decode.gamma, MAX_CHAIN)))
-        copies.propose(len(s.token_ids), proposal)
+        copy = ngram.copy(0 if s.prefilling else self._draft_budget(s, max(decode.gamma, MAX_CHAIN)))
+        self._ngram_proposal[rid] = copy.tokens
         return PlanInput(self._acceptance.setdefault(rid, Acceptance()).alpha, cap,
                          self._lookahead_gain.setdefault(rid, Gain()).mean,
                          tree.alpha if tree else None, decode.tree_width, decode.tree_chains,
-                         ngram=len(proposal), ngram_survival=tuple(copies.survival(len(proposal))),
+                         ngram=len(copy.tokens), ngram_survival=tuple(copy.survival()),
                          draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids) - self._draft_seen.get(rid, 0) - 1))
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
@@ -352,7 +352,7 @@ class Orchestrator:
             rid = s.req.request_id
             step_mode = self.decode_of(s).mode if s.req.decode.mode == "auto" else None
             if rid in self._ngram_step:
-                pass  # an n-gram chain: the request's CopyRecord reads the outcome from its committed tokens
+                pass  # an n-gram chain: its worth is read from the sequence itself (Copy.survival)
             elif step_mode == "lookahead":
                 self._lookahead_gain[rid].observe(v.accepted)
             elif step_mode == "tree" and rid in self._tree_acceptance:

@@ -16,8 +16,8 @@ Terms:
   lookahead gain a request's running estimate of the draft tokens a Lookahead step
                  (drafts from the target's n-gram trie, no draft model) gets accepted;
   n-gram draft   a chain copied from the request's own earlier tokens (calid.decoding.ngram): no draft
-                 time, only its verification; what it yields is read from the request's record of its
-                 proposals, drafted or not (CopyRecord: the chance its first j tokens hold, per j);
+                 time, only its verification; what it yields is read from how long the sequence has
+                 already agreed with the copied text (Copy.survival: the chance its first j tokens hold);
   tree acceptance a request's running estimate of the chance that a depth of its token tree
                  holds the target's token (the draft's top-1 plus, where the draft is unsure,
                  its next-best tokens as siblings); a tree verifies more tokens than a chain
@@ -35,10 +35,13 @@ Terms:
                  1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead).
   guard          the plan is a model's; StepGuard checks it against what steps really yield: seconds per
                  output token of the steps that drafted vs of plain steps, per batch size, measured whole
-                 (draft, verify, transport, planning). Drafting must measurably win (by GUARD_MARGIN): where it
-                 does not, ties included, steps run plain (one in GUARD_EXPLORE still drafts, so the measure
-                 follows a workload that changes), since a server's own choice must never cost more than plain
-                 decoding; where it wins, one in GUARD_EXPLORE runs plain, so plain's measure stays current.
+                 (draft, verify, transport, planning), with drafting steps apart by how much they bet (the
+                 tokens the plan expects beyond a plain step's: under 1, under 4, more), so that the short
+                 bets of one request do not stop the long copies of another. Drafting must measurably
+                 win (by GUARD_MARGIN): where it does not, ties included, steps run plain (one in
+                 GUARD_EXPLORE still drafts, so the measure follows a workload that changes), since a server's
+                 own choice must never cost more than plain decoding; where it wins, one in GUARD_EXPLORE runs
+                 plain, so plain's measure stays current.
 """
 from __future__ import annotations
 
@@ -51,6 +54,10 @@ GUARD_EXPLORE = 24  # one step in this many goes against the guard's verdict, to
 GUARD_MIN = 3  # steps of each kind measured before the guard judges
 GUARD_PROBE = 4  # until plain steps are measured, one planned drafting step in this many runs plain
 GUARD_SMOOTHING = 0.25
+# drafting plans are judged apart by the tokens they expect beyond a plain step's (one per request): a long copy
+# that has agreed for a while and one shaky token are different bets, and a workload mixes both
+DEPTH_EDGES = (1.0, 4.0, float("inf"))
+DEPTH_NAMES = ("plain", "drafted<1", "drafted<4", "drafted4+")
 
 
 @dataclass
@@ -152,7 +159,7 @@ class PlanInput:
     tree_width: int = 3  # tokens a tree tries where the draft is unsure (its siblings: width - 1)
     tree_chains: int = 1  # draft chains a tree grows (draft lanes per depth)
     ngram: int = 0  # tokens an n-gram draft proposes now, within its own cap (0: no match, not an option)
-    # S(1..ngram): the chance that the proposal's first j tokens are accepted (calid.decoding.ngram.CopyRecord)
+    # S(1..ngram): the chance that the proposal's first j tokens are accepted (calid.decoding.ngram.Copy)
     ngram_survival: tuple[float, ...] = ()
     draft_setup_s: float = 0.0  # the draft model's catch-up before it can draft for this request (tokens it has
     # not seen x its prefill cost per token): paid by this step if the request picks a chain or a tree
@@ -322,19 +329,25 @@ def guard_bucket(requests: int) -> int:
     return requests if requests <= 8 else 1 << (requests - 1).bit_length()
 
 
+def draft_depth(extra_tokens: float) -> int:
+    """A drafting plan's class (1, 2, 3) by the tokens it expects beyond a plain step's (one per request)."""
+    return next(i for i, edge in enumerate(DEPTH_EDGES, 1) if extra_tokens < edge)
+
+
 class StepGuard:
-    """Whether a step may draft as planned, from what drafting and plain steps of its size measurably yield."""
+    """Whether a step may draft as planned, from what plain steps and drafting steps of its size and depth
+    measurably yield."""
 
     def __init__(self):
-        self._kinds: dict[tuple[int, bool], _Realized] = {}
-        self._asked: dict[int, int] = {}
+        self._kinds: dict[tuple[int, int], _Realized] = {}  # (batch bucket, depth; 0: plain) -> what steps realised
+        self._asked: dict[tuple[int, int], int] = {}
         self.overruled = 0  # planned drafting steps run plain
 
-    def allow(self, requests: int) -> bool:
-        """A step of ``requests`` requests that the planner wants to draft: may it?"""
+    def allow(self, requests: int, depth: int) -> bool:
+        """A step of ``requests`` requests whose plan drafts ``depth`` deep (``draft_depth``): may it?"""
         b = guard_bucket(requests)
-        k = self._asked[b] = self._asked.get(b, 0) + 1
-        plain, drafted = self._kinds.get((b, False)), self._kinds.get((b, True))
+        k = self._asked[b, depth] = self._asked.get((b, depth), 0) + 1
+        plain, drafted = self._kinds.get((b, 0)), self._kinds.get((b, depth))
         if plain is None or plain.samples < GUARD_MIN:
             ok = k % GUARD_PROBE != 0
         elif drafted is None or drafted.samples < GUARD_MIN:
@@ -346,13 +359,13 @@ class StepGuard:
         self.overruled += not ok
         return ok
 
-    def observe(self, requests: int, drafted: bool, seconds: float, tokens: int) -> None:
-        """A whole step (planning, draft, verify, transport) took ``seconds`` and produced ``tokens``."""
+    def observe(self, requests: int, depth: int, seconds: float, tokens: int) -> None:
+        """A whole step (planning, draft, verify, transport) that drafted ``depth`` deep (0: a plain step) took
+        ``seconds`` and produced ``tokens``."""
         if tokens > 0 and seconds > 0:
-            self._kinds.setdefault((guard_bucket(requests), drafted), _Realized()).observe(seconds, tokens)
+            self._kinds.setdefault((guard_bucket(requests), depth), _Realized()).observe(seconds, tokens)
 
     def summary(self) -> dict[str, float]:
         """Measured milliseconds per output token by batch bucket and kind (for stats and metrics)."""
-        return {f"{'drafted' if d else 'plain'}@{b}": round(1000 * r.per_token, 2)
-                for (b, d), r in sorted(self._kinds.items())}
+        return {f"{DEPTH_NAMES[d]}@{b}": round(1000 * r.per_token, 2) for (b, d), r in sorted(self._kinds.items())}
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "inproc_tok_s", "inproc_vs_ar",
-           "served_vs_inproc", "serving_ms_per_step", "draft_share", "same_as_ar", "filter_cap"]
+           "served_vs_inproc", "serving_ms_per_step", "draft_share", "guard_plain", "same_as_ar", "filter_cap"]
 WORKLOADS = ("humaneval", "grounded")
 
 
@@ -148,6 +148,8 @@ def run(args) -> int:
         "serving_ms_per_step: (router step time - workers' forward time) / router steps: transport and router work",
         "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
         "tokens) / all output tokens",
+        "guard_plain: served steps whose plan drafted but that the router's StepGuard ran plain, because drafting "
+        "that much measurably lost at that batch size (calid.planning.StepGuard)",
         "same_as_ar: greedy outputs identical to ar's token for token (lossless modes must match)",
         "filter_cap: ar's cost per token at this batch / (the draft's cost per token + the target's cost per token "
         "when it catches up in chunks of 8), timed on the in-process runners: the most filter can gain here even "
@@ -175,12 +177,13 @@ def _point(cfg, address, engine, mode, prompts, ids, new, inproc_first: bool) ->
     from serve_app.bench import _server_times
 
     def served():
-        before = _server_times(cfg)
+        before, overruled = _server_times(cfg), _overruled(cfg)
         t = time.perf_counter()
         out = asyncio.run(_burst(address, cfg.app_name, mode, prompts, new))
         seconds = time.perf_counter() - t
         step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
         return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
+                "guard_plain": _overruled(cfg) - overruled,
                 "serving_ms_per_step": (step_s - forward) * 1000 / steps if steps else float("nan"),
                 "outputs": [list(r.token_ids) for r in out],
                 "drafted": sum(r.stats.get("draft_tokens", 0) for r in out)}
@@ -201,6 +204,14 @@ def _point(cfg, address, engine, mode, prompts, ids, new, inproc_first: bool) ->
             continue
         out.update(part())
     return out
+
+
+def _overruled(cfg) -> int:
+    """Planned drafting steps the router's guard has run plain so far."""
+    from ray import serve
+
+    guard = serve.get_deployment_handle("router", cfg.app_name).stats.remote().result()["guard"]
+    return guard.get("overruled", 0)
 
 
 async def _burst(address: str, app: str, mode: str, prompts: list[str], new: int):
@@ -225,6 +236,7 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
         row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": tokens / med("served_s"),
                "inproc_tok_s": tokens / med("inproc_s"), "serving_ms_per_step": med("serving_ms_per_step"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
+               "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
                "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"]}
         row["served_vs_inproc"] = row["served_tok_s"] / row["inproc_tok_s"]
         rows.append(row)

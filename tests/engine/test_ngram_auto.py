@@ -56,7 +56,7 @@ def test_auto_copies_grounded_answers_and_keeps_ar_output(ll):
 
 
 def test_a_copy_that_holds_runs_past_gamma_in_one_target_call(ll):
-    """The model repeats a 46-token line: once the request's record shows its copies holding, a step verifies
+    """The model repeats a 46-token line: once the copy has agreed for a while, a step verifies
     far more copied tokens than gamma (a draft model's chain length), and the output is still ar's."""
     ids = [ll.tokenizer.encode("values = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]\n" * 4)]
     new = 64

@@ -1,7 +1,7 @@
 """N-gram (prompt lookup) drafts: exact proposals on hand-built sequences."""
 import pytest
 
-from calid.decoding.ngram import NgramConfig, NgramIndex
+from calid.decoding.ngram import Copy, NgramConfig, NgramIndex
 
 
 def index(ids, **cfg) -> NgramIndex:
@@ -52,49 +52,26 @@ def test_bad_sizes_are_refused():
         NgramConfig(min_n=3, max_n=2)
 
 
-# ---- CopyRecord: what proposals would have yielded, read from the committed tokens -------------------------
+# ---- Copy: how far the sequence agrees with the copied text, and what a chain of it is worth -----------------
 
-def test_a_proposal_is_settled_once_the_committed_tokens_decide_it():
-    from calid.decoding.ngram import CopyRecord
-
-    rec = CopyRecord(longest=4, decay=1.0, prior=0.5)
-    rec.propose(3, [7, 8, 9])  # proposed for positions 3, 4, 5
-    rec.resolve([1, 2, 3, 7, 8])  # 7, 8 hold so far, 9 not known yet: still pending
-    assert rec.trials[1] == 0
-    rec.resolve([1, 2, 3, 7, 8, 5])  # position 5 is 5, not 9: held 2, failed at the third token
-    assert rec.trials[1:] == [1, 1, 1, 0] and rec.fails[1:] == [0, 0, 1, 0]
-    rec.propose(6, [4, 4])
-    rec.resolve([1, 2, 3, 7, 8, 5, 4, 4])  # held whole: reached 1 and 2, failed nowhere
-    assert rec.trials[1:] == [2, 2, 1, 0] and rec.fails[1:] == [0, 0, 1, 0]
-    rec.propose(8, [])  # no proposal: nothing to learn
-    rec.propose(8, [6])
-    rec.resolve([1, 2, 3])  # cut back before it: dropped, says nothing
-    assert rec.trials[1:] == [2, 2, 1, 0]
+def test_agreement_counts_back_from_the_match_to_the_first_difference():
+    # ... 5 [1 2 3] 9 ... 4 [1 2 3]: the suffix 1 2 3 matches; before it, 5 and 4 differ: agreed 3
+    assert index([5, 1, 2, 3, 9, 8, 4, 1, 2, 3]).copy(2) == Copy([9, 8], 3)
+    # 6 5 1 2 3 | 9 ... 6 5 1 2 3: the match is the last 4 tokens (max_n), the agreement runs back 5
+    copy = index([6, 5, 1, 2, 3, 9, 7, 6, 5, 1, 2, 3]).copy(3)
+    assert copy.tokens == [9, 7, 6] and copy.agreed == 5
+    # the walk back stops at the start of the sequence and at the limit it is given
+    assert index([1, 2, 9, 1, 2]).copy(1).agreed == 2
+    assert index([6, 5, 1, 2, 3, 9, 7, 6, 5, 1, 2, 3]).copy(3, longest_agreement=4).agreed == 4
+    assert index([1, 2, 3, 4]).copy(4) == Copy([], 0) and index([1, 2, 1, 2]).copy(0) == Copy([], 0)
 
 
-def test_survival_is_read_position_by_position_from_the_prior_up():
-    from calid.decoding.ngram import CopyRecord
-
-    rec = CopyRecord(longest=4, decay=1.0, prior=0.5)
-    assert rec.survival(3) == pytest.approx([0.5, 0.25, 0.125])  # nothing seen: a coin at each position
-    for k in range(10):  # ten copies of 3 that held, then broke at their 4th token
-        rec.propose(4 * k, [1, 1, 1, 2])
-        rec.resolve([0] * (4 * k) + [1, 1, 1, 3])
-    later = 10.5 / 31  # breaks past the first token: 10 of 30 positions reached (plus the prior's half of one)
-    s1, s2 = 1 - 0.5 / 11, 1 - later / 11
-    assert rec.survival(4) == pytest.approx([s1, s1 * s2, s1 * s2 * s2, s1 * s2 * s2 * (1 - (10 + later) / 11)])
-    assert len(rec.survival(9)) == 4  # never past the longest chain
-
-
-def test_old_outcomes_are_forgotten():
-    from calid.decoding.ngram import CopyRecord
-
-    rec = CopyRecord(longest=2, decay=0.8, prior=0.5)
-    for k in range(20):  # copies that fail at once, then copies that hold: the record follows the change
-        rec.propose(k, [-1])
-        rec.resolve(list(range(k + 1)))
-    assert rec.survival(1)[0] < 0.2
-    for k in range(20, 40):
-        rec.propose(k, [k])
-        rec.resolve(list(range(k + 1)))
-    assert rec.survival(1)[0] > 0.8
+def test_a_copy_is_worth_more_the_longer_it_has_agreed():
+    assert Copy([1, 2, 3], agreed=2).survival() == pytest.approx([1 / 2, 1 / 3, 1 / 4])  # a fresh 2-gram match
+    # 10 tokens beyond the shortest match: Laplace's rule of succession, S(j) = 11 / (11 + j)
+    assert Copy([0] * 4, agreed=12).survival() == pytest.approx([11 / 12, 11 / 13, 11 / 14, 11 / 15])
+    assert Copy([0] * 3, agreed=12, min_n=3).survival()[0] == pytest.approx(10 / 11)
+    assert Copy([], agreed=30).survival() == []
+    # the product of the per-token chances: each next token holds with (A+1+i) / (A+2+i)
+    s = Copy([0] * 16, agreed=7).survival()
+    assert s[-1] == pytest.approx(6 / 22) and all(a > b for a, b in zip(s, s[1:]))

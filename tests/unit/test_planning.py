@@ -181,13 +181,13 @@ def test_a_draft_that_must_catch_up_first_pays_for_it_in_the_step():
 
 # ---- StepGuard: the plan checked against measured steps ------------------------------------------------
 
-def _guard_after(plain_ms: float, drafted_ms: float, requests: int = 4):
+def _guard_after(plain_ms: float, drafted_ms: float, requests: int = 4, depth: int = 2):
     from calid.planning import GUARD_MIN, StepGuard
 
     g = StepGuard()
     for _ in range(GUARD_MIN):
-        g.observe(requests, False, plain_ms * requests / 1000, requests)  # plain: one token per request
-        g.observe(requests, True, drafted_ms * 2 * requests / 1000, 2 * requests)  # drafting: two per request
+        g.observe(requests, 0, plain_ms * requests / 1000, requests)  # plain: one token per request
+        g.observe(requests, depth, drafted_ms * 2 * requests / 1000, 2 * requests)  # drafting: two per request
     return g
 
 
@@ -195,19 +195,19 @@ def test_the_guard_runs_steps_plain_where_drafting_measurably_loses_and_still_ex
     from calid.planning import GUARD_EXPLORE
 
     g = _guard_after(plain_ms=26.0, drafted_ms=30.0)  # drafting costs 30 ms per token, plain 26
-    verdicts = [g.allow(4) for _ in range(2 * GUARD_EXPLORE)]
+    verdicts = [g.allow(4, 2) for _ in range(2 * GUARD_EXPLORE)]
     assert verdicts.count(True) == 2 and g.overruled == 2 * GUARD_EXPLORE - 2
-    assert g.summary() == {"drafted@4": 30.0, "plain@4": 26.0}
+    assert g.summary() == {"drafted<4@4": 30.0, "plain@4": 26.0}
 
 
 def test_the_guard_follows_the_planner_where_drafting_wins_with_a_plain_step_now_and_then():
     from calid.planning import GUARD_EXPLORE
 
     g = _guard_after(plain_ms=26.0, drafted_ms=15.0)
-    verdicts = [g.allow(4) for _ in range(2 * GUARD_EXPLORE)]
+    verdicts = [g.allow(4, 2) for _ in range(2 * GUARD_EXPLORE)]
     assert verdicts.count(False) == 2
     clear_win = _guard_after(plain_ms=26.0, drafted_ms=24.8)  # 4.6% cheaper: past the margin
-    assert sum(clear_win.allow(4) for _ in range(GUARD_EXPLORE)) == GUARD_EXPLORE - 1
+    assert sum(clear_win.allow(4, 2) for _ in range(GUARD_EXPLORE)) == GUARD_EXPLORE - 1
 
 
 def test_a_tie_or_a_win_inside_the_margin_runs_plain():
@@ -218,17 +218,32 @@ def test_a_tie_or_a_win_inside_the_margin_runs_plain():
 
     for drafted_ms in (26.4, 26.0, 25.6):  # 1.5% dearer, equal, 1.5% cheaper: all inside the 3% margin
         g = _guard_after(plain_ms=26.0, drafted_ms=drafted_ms)
-        assert sum(g.allow(4) for _ in range(GUARD_EXPLORE)) == 1  # only the exploring step drafts
+        assert sum(g.allow(4, 2) for _ in range(GUARD_EXPLORE)) == 1  # only the exploring step drafts
+
+
+def test_short_bets_and_long_copies_are_judged_apart():
+    """A summary's one shaky copied token and a refactor's 16-token copy that has agreed for a while are different
+    bets: measured together, the first ones' losses stopped the second ones' wins (grounded workload in process:
+    auto 0.97x ar per decoded token with one measure, 1.12x without a guard)."""
+    from calid.planning import GUARD_MIN, draft_depth
+
+    assert [draft_depth(x) for x in (0.2, 0.99, 1.0, 3.9, 4.0, 20.0)] == [1, 1, 2, 2, 3, 3]
+    g = _guard_after(plain_ms=26.0, drafted_ms=40.0, depth=1)  # short drafts lose
+    for _ in range(GUARD_MIN):
+        g.observe(4, 3, 13.0 * 8 * 4 / 1000, 8 * 4)  # long copies: 8 tokens a request at 13 ms per token
+    assert not g.allow(4, 1) and g.allow(4, 3)
+    assert g.allow(4, 2)  # nothing measured this deep yet: the planner's call
+    assert g.summary() == {"plain@4": 26.0, "drafted<1@4": 40.0, "drafted4+@4": 13.0}
 
 
 def test_the_guard_measures_plain_steps_first_and_judges_each_batch_size_apart():
     from calid.planning import GUARD_PROBE, StepGuard
 
     g = StepGuard()
-    assert [g.allow(1) for _ in range(2 * GUARD_PROBE)].count(False) == 2  # probes: one in GUARD_PROBE plain
+    assert [g.allow(1, 2) for _ in range(2 * GUARD_PROBE)].count(False) == 2  # probes: one in GUARD_PROBE plain
     loses = _guard_after(plain_ms=26.0, drafted_ms=40.0, requests=4)
-    assert not loses.allow(4)
-    assert loses.allow(12)  # nothing measured at 12 requests yet: the planner's call
+    assert not loses.allow(4, 2)
+    assert loses.allow(12, 2)  # nothing measured at 12 requests yet: the planner's call
     assert [guard_bucket(n) for n in (1, 8, 9, 12, 16, 17)] == [1, 8, 16, 16, 16, 32]
 
 
