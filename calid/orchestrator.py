@@ -69,8 +69,9 @@ class Orchestrator:
         self._ngram_step: dict[Hashable, list[int]] = {}
         self._ngram_proposal: dict[Hashable, list[int]] = {}  # this step's n-gram proposal per auto request
         self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
-        # the planner's plans against measured outcomes: steps that drafted vs plain steps, per batch size; the
-        # caller times each whole step (observe_step), and the guard may run a planned drafting step plain
+        # the planner's plans against measured outcomes: steps that drafted (by how much they bet) vs plain steps,
+        # per batch size; the caller times each whole step (observe_step), and the guard may run a planned drafting
+        # step plain
         self.guard: StepGuard | None = StepGuard()  # None: plans are followed as made (pinned cost tables)
         # this step's states, how deep it drafts (calid.planning.draft_depth; 0: plain), the tokens before it
         self._timed_step: tuple[list[RequestState], int, int] | None = None
