@@ -74,8 +74,10 @@ class NgramIndex:
             self._pending[n] = (tuple(self.ids[end - n:]), end)
 
     def propose(self, max_tokens: int) -> list[int]:
-        """Draft tokens that followed the most recent earlier occurrence of the longest matching suffix."""
-        return self.copy(max_tokens).tokens
+        """Draft tokens that followed the most recent earlier occurrence of the longest matching suffix (without
+        the agreement walk of ``copy``)."""
+        at = self._match() if max_tokens > 0 else None
+        return [] if at is None else self.ids[at: min(len(self.ids), at + max_tokens)]
 
     def copy(self, max_tokens: int, longest_agreement: int = 256) -> Copy:
         """The proposal, with how many tokens before it the sequence agrees with the text before the match
