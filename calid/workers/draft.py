@@ -95,8 +95,9 @@ class DraftWorker:
     def _prefill_chunks(self, tasks: list[DraftTask]) -> dict[Hashable, DraftResult]:
         """SARATHI on the draft, as on the target: short work (decode steps) always runs, then prompts that
         fit the forward's token budget; a prompt that does not gets its next chunk fed here and drafts
-        nothing this step (the target then decodes that request alone). The forward stays within the
-        budget (given one of at least MIN_CHUNK tokens)."""
+        nothing this step: its result says ``catching_up`` (a lossless request's target decodes alone
+        meanwhile; a filter request waits). The forward stays within the budget (given one of at least
+        MIN_CHUNK tokens)."""
         if self.max_forward_tokens is None:
             return {}
         pending = {t.request_id: len(self.runner.sync(t.request_id, t.token_ids)) for t in tasks}
@@ -109,13 +110,13 @@ class DraftWorker:
             if n <= left:
                 left -= n
                 continue
-            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, 0, t.rng)
+            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, 0, t.rng, catching_up=True)
             if left < MIN_CHUNK and inputs:  # the budget is spent: this prompt waits for the next step
                 continue
             chunk = min(n - 1, max(left, MIN_CHUNK))
             left = max(0, left - chunk)
             inputs.append(SeqInput(t.request_id, self.runner.sync(t.request_id, t.token_ids)[:chunk]))
-            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, 1, t.rng)
+            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, 1, t.rng, catching_up=True)
         if inputs:
             self.runner.forward(inputs)
         return out

@@ -50,6 +50,7 @@ class DraftResult:
     rng: torch.Tensor | None = None
     probs: list[float] | None = None  # chain modes: the draft's top-1 probability at each of ``tokens``
     held_out: tuple[int, float] | None = None  # filter: the draft's top-1 (and its probability) it was unsure of
+    catching_up: bool = False  # the draft only fed (or queued) part of the sequence this step: no draft yet
 
 
 @dataclass

@@ -282,3 +282,32 @@ def test_auto_grows_token_trees_where_they_verify_nearly_free_and_stays_lossless
     _pinned_costs(again, verify={1: 0.02, 64: 0.021}, draft={1: 0.001, 8: 0.0011})
     assert [r.output_ids for r in run(again, DecodeParams(mode="auto", gamma=6), temperature=0.8, seed=7)] == \
         [r.output_ids for r in sampled]  # per-request plans and acceptance estimates: the same seed, the same text
+
+
+def test_filter_waits_for_its_draft_to_prefill_a_long_prompt_instead_of_having_the_target_prefill_it(tiny_model):
+    """SARATHI on the draft: a prompt over the forward budget is fed to the draft a chunk per step. A lossless
+    request has the target decode meanwhile (it needs the prompt anyway); a filter request waits, because the
+    target would otherwise prefill a prompt its confident draft never needs it for."""
+    long_prompt = [(7 * i + 3) % 90 + 1 for i in range(120)]
+
+    def go(decode, budget):
+        eng = engine(tiny_model, max_forward_tokens=budget)
+        req = GenerationRequest(list(long_prompt), SamplingParams(max_new_tokens=12), decode=decode)
+        return eng, eng.generate([req])[0]
+
+    eng, chunked = go(DecodeParams(mode="filter", threshold=0.0, gamma=4), 32)
+    assert eng.target.stats.tokens == 0 and chunked.stats.target_calls == 0
+    assert chunked.stats.draft_calls >= 4  # the prompt went to the draft in chunks
+    _, whole = go(DecodeParams(mode="filter", threshold=0.0, gamma=4), None)
+    assert chunked.output_ids == whole.output_ids
+    eng, lossless = go(DecodeParams(mode="speculative", gamma=4), 32)
+    assert lossless.stats.target_calls > 0 and eng.target.stats.tokens >= len(long_prompt)
+
+
+def test_filter_cap_is_the_target_step_over_the_draft_step_and_leaves_no_sequences(tiny_model):
+    from calid.calibration import filter_cap
+
+    target, draft = ModelRunner(tiny_model), ModelRunner(self_draft(tiny_model, 1))
+    cap = filter_cap(target, draft, batch=3)
+    assert cap["ar_s"] > 0 and cap["draft_s"] > 0 and cap["cap"] == pytest.approx(cap["ar_s"] / cap["draft_s"])
+    assert target.cached_count() == 0 and draft.cached_count() == 0
