@@ -7,12 +7,15 @@ median counts: the machine is shared and noisy). Workloads:
   humaneval  "complete this function" prompts: free-form generation, little to copy;
   grounded   refactors of HumanEval's reference functions and summaries of XSum articles that quote
              them: answers that copy their input, where n-gram drafts cost no model time.
-Printed per point: tokens/s served and in process, the ratio to ar at the same point, served/in-process,
+Printed per point: tokens/s served and in process, the ratio to ar at the same point (whole requests, prefill
+included), the served time per output token after the first and its ratio to ar's (decoding alone, what
+drafting can speed up), the most any mode could gain on whole requests if decoding cost nothing (prefill_cap),
+served/in-process,
 what serving adds per router step (the router's step time less the workers' forward time, from the
 server's own counters), the share of tokens that came from drafts, and greedy agreement with ar. Beside
-them: the CPU flags, the bandwidth limit of one decode step, and filter's physical cap at each C (every
-token still passes through the target when it catches up, so filter cannot beat ar by more than
-ar's cost per token / (target cost per token in catch-up chunks + the draft's cost per token)), and per
+them: the CPU flags, the bandwidth limit of one decode step, and filter's physical cap at each C (even if the
+draft made every token and the target were never asked, each token costs a draft step: filter cannot beat ar
+by more than ar's cost per token / the draft's, decoding alone), and per
 workload the n-gram bound: what an oracle that knew which copied tokens ar confirms would gain at one request
 with the timed forward costs (calid.bench.ngram_bound), the ceiling for auto's n-gram drafts.
 """
@@ -25,8 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "inproc_tok_s", "inproc_vs_ar",
-           "served_vs_inproc", "serving_ms_per_step", "draft_share", "guard_plain", "same_as_ar", "filter_cap"]
+COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "tpot_ms", "decode_vs_ar", "prefill_cap",
+           "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "draft_share", "guard_plain",
+           "same_as_ar", "filter_cap"]
 WORKLOADS = ("humaneval", "grounded")
 
 
@@ -144,6 +148,11 @@ def run(args) -> int:
             "ngram_bound": {w: f"{b.ratio:.2f}x ({b.copied}/{b.tokens} tokens copied)" for w, b in bounds.items()}}
     notes = [
         "served_vs_ar / inproc_vs_ar: tokens/s relative to ar at the same workload and concurrency (median of rounds)",
+        "tpot_ms / decode_vs_ar: the server's mean time per output token after a request's first (from its own "
+        "ttft and total times), and ar's over this mode's: decoding alone, what drafting speeds up",
+        "prefill_cap: ar's burst time / the time its last request got its first token: what any mode could gain "
+        "over ar on whole requests if decoding cost nothing (exact at one request; under load prefill shares "
+        "steps with decoding, so the cap is lower than the truth)",
         "served_vs_inproc: served tokens/s / in-process tokens/s for the same requests (1.0 = serving costs nothing)",
         "serving_ms_per_step: (router step time - workers' forward time) / router steps: transport and router work",
         "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
@@ -151,9 +160,9 @@ def run(args) -> int:
         "guard_plain: served steps whose plan drafted but that the router's StepGuard ran plain, because drafting "
         "that much measurably lost at that batch size (calid.planning.StepGuard)",
         "same_as_ar: greedy outputs identical to ar's token for token (lossless modes must match)",
-        "filter_cap: ar's cost per token at this batch / (the draft's cost per token + the target's cost per token "
-        "when it catches up in chunks of 8), timed on the in-process runners: the most filter can gain here even "
-        "if the draft made every token (calid.calibration.filter_cap)",
+        "filter_cap: ar's cost per token at this batch / the draft's, timed on the in-process runners: the most "
+        "filter can gain in decoding here, if the draft made every token and the target were never asked "
+        "(calid.calibration.filter_cap)",
         f"decode limit: bandwidth {bandwidth:.1f} GB/s / {target.decode_read_bytes / 1e9:.2f} GB of target weights per "
         "step",
         "verification cap: max over forward sizes k of k x cost(1) / cost(k), timed in process: what lossless "
@@ -183,6 +192,8 @@ def _point(cfg, address, engine, mode, prompts, ids, new, inproc_first: bool) ->
         seconds = time.perf_counter() - t
         step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
         return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
+                "tpot_ms": statistics.mean(_tpot_ms(r) for r in out),
+                "first_tokens_s": max(float(r.stats.get("ttft_ms", 0.0)) for r in out) / 1000,
                 "guard_plain": _overruled(cfg) - overruled,
                 "serving_ms_per_step": (step_s - forward) * 1000 / steps if steps else float("nan"),
                 "outputs": [list(r.token_ids) for r in out],
@@ -204,6 +215,12 @@ def _point(cfg, address, engine, mode, prompts, ids, new, inproc_first: bool) ->
             continue
         out.update(part())
     return out
+
+
+def _tpot_ms(completion) -> float:
+    """The server's time per output token after the first (its own ttft and total times of the request)."""
+    s, n = completion.stats, len(completion.token_ids)
+    return (float(s.get("total_ms", 0.0)) - float(s.get("ttft_ms", 0.0))) / max(1, n - 1)
 
 
 def _overruled(cfg) -> int:
@@ -234,6 +251,7 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
         med = lambda key: statistics.median(r[key] for r in runs) if all(key in r for r in runs) else float("nan")
         tokens = runs[0]["tokens"]
         row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": tokens / med("served_s"),
+               "tpot_ms": med("tpot_ms"), "_burst_s": med("served_s"), "_first_tokens_s": med("first_tokens_s"),
                "inproc_tok_s": tokens / med("inproc_s"), "serving_ms_per_step": med("serving_ms_per_step"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
@@ -245,11 +263,22 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
         base = ar[(r["workload"], r["concurrency"])]
         r["served_vs_ar"] = r["served_tok_s"] / base["served_tok_s"]
         r["inproc_vs_ar"] = r["inproc_tok_s"] / base["inproc_tok_s"]
+        r["decode_vs_ar"] = base["tpot_ms"] / r["tpot_ms"] if r["tpot_ms"] > 0 else float("nan")
+        # ar's burst took _burst_s, its last first token came at _first_tokens_s: with free decoding a burst
+        # could not end before its prompts are in (exact at one request; under load an upper bound on prefill)
+        r["prefill_cap"] = base["_burst_s"] / base["_first_tokens_s"] if base["_first_tokens_s"] > 0 else float("nan")
         same = sum(a == b for a, b in zip(r["_outputs"], base["_outputs"]))
         r["same_as_ar"] = f"{same}/{len(base['_outputs'])}"
     for r in rows:
-        del r["_outputs"]
+        for key in ("_outputs", "_burst_s", "_first_tokens_s"):
+            del r[key]
     return rows
+
+
+def _whole(decoding: float, prefill_cap: float) -> float:
+    """A speed-up of decoding alone, on whole requests: prefill takes 1 / prefill_cap of ar's time and stays."""
+    prefill = 1 / prefill_cap
+    return 1 / (prefill + (1 - prefill) / decoding)
 
 
 def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None) -> str:
@@ -259,12 +288,17 @@ def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None) -> 
         goal = {"auto": 1.3 if r["workload"] == "grounded" else 0.98, "filter": 1.3}.get(r["mode"])
         if goal is not None:
             ok = r["served_vs_ar"] >= goal
-            lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: {r['served_vs_ar']:.2f}x ar served "
-                         f"(target >= {goal}: {'met' if ok else 'missed'})"
-                         + (f"; cap on this machine {r['filter_cap']:.2f}x" if r["mode"] == "filter"
-                            and isinstance(r["filter_cap"], float) else "")
-                         + (f"; n-gram bound on this machine {bounds[r['workload']].ratio:.2f}x at c1"
-                            if r["mode"] == "auto" and r["workload"] in (bounds or {}) else ""))
+            line = (f"{r['workload']} c{r['concurrency']} {r['mode']}: {r['served_vs_ar']:.2f}x ar served "
+                    f"(target >= {goal}: {'met' if ok else 'missed'}); decoding alone {r['decode_vs_ar']:.2f}x ar; "
+                    f"whole requests cannot beat ar by more than {r['prefill_cap']:.2f}x here (prefill)")
+            if r["mode"] == "filter" and isinstance(r["filter_cap"], float):
+                line += f"; cap on this machine {r['filter_cap']:.2f}x"
+            if r["mode"] == "auto" and r["workload"] in (bounds or {}):
+                bound = bounds[r["workload"]].ratio
+                line += f"; n-gram bound on this machine {bound:.2f}x at c1 (decoding alone)"
+                if r["concurrency"] == 1:
+                    line += f", {_whole(bound, r['prefill_cap']):.2f}x on whole requests"
+            lines.append(line)
         if r["served_vs_inproc"] == r["served_vs_inproc"]:  # not NaN
             lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: served/in-process "
                          f"{r['served_vs_inproc']:.2f} (target >= 0.9: {'met' if r['served_vs_inproc'] >= 0.9 else 'missed'})")

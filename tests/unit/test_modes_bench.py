@@ -1,0 +1,47 @@
+"""calid bench modes: what its rows say about whole requests, decoding alone and the prefill cap."""
+from types import SimpleNamespace
+
+import pytest
+
+from serve_app.modes_bench import _rows, _tpot_ms, _verdict
+
+
+def _run(served_s, tpot_ms, first_tokens_s, outputs, drafted=0):
+    return {"served_s": served_s, "tpot_ms": tpot_ms, "first_tokens_s": first_tokens_s, "tokens": 48,
+            "outputs": outputs, "drafted": drafted, "guard_plain": 0, "serving_ms_per_step": 1.0}
+
+
+def test_time_per_token_counts_from_the_first_token_and_skips_it():
+    done = SimpleNamespace(stats={"ttft_ms": 1000.0, "total_ms": 3350.0}, token_ids=list(range(48)))
+    assert _tpot_ms(done) == pytest.approx(50.0)  # 47 tokens after the first in 2.35 s
+    one = SimpleNamespace(stats={"ttft_ms": 900.0, "total_ms": 900.0}, token_ids=[7])
+    assert _tpot_ms(one) == 0.0
+
+
+def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
+    """A burst of 2 s of prefill and 2 s of decoding that decodes twice as fast gains 1.33x whole, 2x decoding;
+    no mode could beat ar's 4 s by more than 4 / 2 = 2x on whole requests."""
+    same, other = [[1, 2, 3]], [[1, 2, 4]]
+    samples = {("grounded", 1, "ar"): [_run(4.0, 40.0, 2.0, same), _run(4.2, 42.0, 2.1, same), _run(3.8, 38.0, 1.9, same)],
+               ("grounded", 1, "auto"): [_run(3.0, 20.0, 2.0, same, drafted=30)] * 3,
+               ("grounded", 1, "filter"): [_run(2.5, 15.0, 2.0, other, drafted=40)] * 3}
+    rows = {r["mode"]: r for r in _rows(samples, caps={})}
+    ar, auto, lossy = rows["ar"], rows["auto"], rows["filter"]
+    assert ar["served_vs_ar"] == 1.0 and ar["decode_vs_ar"] == 1.0
+    assert auto["served_vs_ar"] == pytest.approx(4.0 / 3.0)
+    assert auto["decode_vs_ar"] == pytest.approx(2.0)
+    assert auto["prefill_cap"] == pytest.approx(2.0) and ar["prefill_cap"] == pytest.approx(2.0)
+    assert auto["same_as_ar"] == "1/1" and lossy["same_as_ar"] == "0/1"
+    assert auto["draft_share"] == pytest.approx(30 / 48)
+    assert not any(k.startswith("_") for r in rows.values() for k in r)  # working values stay out of the report
+    verdict = _verdict(list(rows.values()), ["ar", "auto", "filter"])
+    assert "grounded c1 auto: 1.33x ar served (target >= 1.3: met); decoding alone 2.00x ar; " \
+           "whole requests cannot beat ar by more than 2.00x here (prefill)" in verdict
+
+
+def test_a_decoding_speed_up_counts_on_whole_requests_only_past_the_prefill():
+    from serve_app.modes_bench import _whole
+
+    # prefill is 60% of ar's time (cap 1/0.6): a 1.52x decoding bound is 1.16x on whole requests
+    assert _whole(1.52, 1 / 0.6) == pytest.approx(1 / (0.6 + 0.4 / 1.52))
+    assert _whole(1.0, 2.0) == pytest.approx(1.0) and _whole(1e9, 2.0) == pytest.approx(2.0)
