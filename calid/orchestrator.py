@@ -292,7 +292,7 @@ class Orchestrator:
             if unaudited is not None and d is not None:
                 self._pend_audit(s, d, unaudited)
             if d is not None and d.catching_up and self.decode_of(s).mode == "filter":
-                continue  # filter waits for its draft's prefill: the target would prefill the prompt too (3x the work)
+                continue  # filter waits for its draft's prefill, or the target (the dearer model) would prefill it too
             if d is not None and not d.needs_target and not (  # filter, every draft token confident: early acceptance,
                     s.req.request_id in self._budgets and len(unaudited) >= AUDIT_SPAN):  # unless a budget needs a look
                 events += self._append(s, d.tokens, len(d.tokens), now)

@@ -9,15 +9,15 @@ median counts: the machine is shared and noisy). Workloads:
              them: answers that copy their input, where n-gram drafts cost no model time.
 Printed per point: tokens/s served and in process, the ratio to ar at the same point (whole requests, prefill
 included), the served time per output token after the first and its ratio to ar's (decoding alone, what
-drafting can speed up), the most any mode could gain on whole requests if decoding cost nothing (prefill_cap),
-served/in-process,
-what serving adds per router step (the router's step time less the workers' forward time, from the
-server's own counters), the share of tokens that came from drafts, and greedy agreement with ar. Beside
-them: the CPU flags, the bandwidth limit of one decode step, and filter's physical cap at each C (even if the
-draft made every token and the target were never asked, each token costs a draft step: filter cannot beat ar
-by more than ar's cost per token / the draft's, decoding alone), and per
-workload the n-gram bound: what an oracle that knew which copied tokens ar confirms would gain at one request
-with the timed forward costs (calid.bench.ngram_bound), the ceiling for auto's n-gram drafts.
+drafting can speed up), the most any mode could gain on whole requests if decoding cost nothing
+(prefill_cap), served/in-process, what serving adds per router step (the router's step time less the
+workers' forward time, from the server's own counters), the share of tokens that came from drafts, and
+greedy agreement with ar. Beside them: the CPU flags, the bandwidth limit of one decode step, and
+filter's physical cap at each C (even if the draft made every token and the target were never asked, each
+token costs a draft step: filter cannot beat ar by more than ar's cost per token / the draft's, decoding
+alone), and per workload the n-gram bound: what an oracle that knew which copied tokens ar confirms would
+gain at one request with the timed forward costs (calid.bench.ngram_bound), the ceiling for auto's n-gram
+drafts.
 """
 from __future__ import annotations
 
