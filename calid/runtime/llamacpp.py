@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Hashable
@@ -82,6 +82,26 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def ubatches(slots: list[int], n_ubatch: int = N_UBATCH) -> list[tuple[int, int]]:
+    """The (sequences, tokens each) of the ubatches llama.cpp splits a batch into when every sequence has its own
+    KV stream (llama_batch_allocr::split_equal, sequential), for a batch given as the slot of each token in
+    slot order: from the lowest slot with tokens left, the run of adjacent slots that have tokens left, as many
+    tokens each as the run's shortest has (and n_ubatch allows). Each ubatch reads every weight once."""
+    left = Counter(slots)
+    out = []
+    while left:
+        run = [min(left)]
+        while run[-1] + 1 in left and len(run) < n_ubatch:
+            run.append(run[-1] + 1)
+        n = min(min(left[s] for s in run), max(1, n_ubatch // len(run)))
+        for s in run:
+            left[s] -= n
+            if not left[s]:
+                del left[s]
+        out.append((len(run), n))
+    return out
 
 
 @dataclass
@@ -138,7 +158,7 @@ class LlamaCppRunner:
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = self.cells_per_slot * slots
         cparams.n_batch = n_batch
-        cparams.n_ubatch = min(N_UBATCH, n_batch)
+        cparams.n_ubatch = self._n_ubatch = min(N_UBATCH, n_batch)
         cparams.n_seq_max = slots
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.kv_unified = False  # one KV stream per slot: numerics independent of the other sequences
@@ -228,7 +248,13 @@ class LlamaCppRunner:
             return
         self._settle(s)
         if self.prompt_cache and len(s.tokens) >= MIN_BORROW:
-            self._kept[s.slot] = s.tokens  # until a new sequence takes its prefix or needs its slot
+            slot, top = s.slot, max(self._free, default=-1)
+            if top > slot:  # kept streams gather on the high slots, out of the live sequences' run (_take_slot)
+                self._free.remove(top)
+                self._copy_stream(slot, top)
+                self._free_slot(slot)
+                slot = top
+            self._kept[slot] = s.tokens  # until a new sequence takes its prefix or needs its slot
         else:
             self._free_slot(s.slot)
 
@@ -398,6 +424,7 @@ class LlamaCppRunner:
             b.seq_id[i][0] = slot
             b.logits[i] = flag
         b.n_tokens = len(entries)
+        self.stats.ubatches += len(ubatches([e[2] for e in entries], self._n_ubatch))
         rc = self._lib.llama_decode(self._ctx, b)
         if rc != 0:
             for inp in inputs:  # the cache may hold part of this forward: forget these sequences
@@ -436,13 +463,20 @@ class LlamaCppRunner:
         return s
 
     def _take_slot(self, pinned: set) -> int:
-        if not self._free and self._kept:  # the prompt cache gives up its least recently kept stream first
-            self._free_slot(self._kept.popitem(last=False)[0])
+        """The lowest free slot. llama.cpp splits a batch over several KV streams into ubatches of adjacent
+        slots only (llama_batch_allocr::split_equal, sequential), each reading every weight: 12 one-token rows
+        on slots 0..11 are one ubatch, on slots 0..5 and 20..25 two. So live sequences are kept on the low
+        slots, side by side, and kept prompt-cache streams on the high ones (release). When slots run short the
+        least recently kept stream goes first, wherever it lies."""
         while not self._free:
-            if not self._evict_one(pinned):
+            if self._kept:  # the prompt cache gives up its least recently kept stream first
+                self._free_slot(self._kept.popitem(last=False)[0])
+            elif not self._evict_one(pinned):  # an evicted sequence may go to the prompt cache: the loop frees it
                 raise LlamaCppError(f"a forward needs more than {self.slots} sequences and tree branches; "
                                     "raise the runner's slots")
-        return self._free.pop()
+        slot = min(self._free)
+        self._free.remove(slot)
+        return slot
 
     def _free_slot(self, slot: int) -> None:
         self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)

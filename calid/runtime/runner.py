@@ -43,6 +43,7 @@ class RunnerStats:
     tokens: int = 0
     recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
     reused_tokens: int = 0  # prompt tokens taken over from another sequence's cache instead of computed
+    ubatches: int = 0  # llama.cpp: the ubatches its forwards ran as, each reading every weight (llamacpp.ubatches)
 
 
 KV_LAYOUTS = ("paged", "contiguous")

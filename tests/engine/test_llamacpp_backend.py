@@ -348,19 +348,14 @@ def test_batch_invariant_selects_exact_mode_else_one_call_per_forward(ll, prompt
 
 
 def test_a_forward_reaches_llama_cpp_in_slot_order_and_answers_in_input_order(ll, prompts):
-    """Requests arrive in any order and reuse freed slots in any order; llama.cpp splits a batch whose KV
-    streams are out of order into one ubatch per stream (each reading all the weights: 3.5x the time of a
-    decode step of 12 on the Qwen 1.5B), so every call is sent in slot order, and each input still gets its
-    own logits back."""
+    """Requests reach a forward in any order; llama.cpp splits a batch whose KV streams are out of order into
+    one ubatch per stream (each reading all the weights: 3.5x the time of a decode step of 12 on the Qwen
+    1.5B), so every call is sent in slot order, and each input still gets its own logits back."""
     batched = open_model(TEST_MODEL, backend="llamacpp", invariant=False, **QUIET).runner
-    batched.prompt_cache = False  # released slots go back to the free list (the case that reversed them)
     ids = ids_of(ll, prompts)
-    first = [("first", i) for i in range(len(ids))]
-    batched.forward([SeqInput(s, list(x)) for s, x in zip(first, ids)])
-    for s in first:  # freed in order: the next sequences take the slots back in reverse
-        batched.release(s)
     seqs = [("second", i) for i in range(len(ids))]
     batched.forward([SeqInput(s, list(x)) for s, x in zip(seqs, ids)])
+    seqs, ids = seqs[::-1], ids[::-1]  # from here on the inputs come in reverse
     slots = [batched._seqs[s].slot for s in seqs]
     assert slots != sorted(slots)  # the inputs' order is not the slots' order
     sent = []
@@ -372,6 +367,34 @@ def test_a_forward_reaches_llama_cpp_in_slot_order_and_answers_in_input_order(ll
     for s, x, got in zip(seqs, ids, step):
         alone = batched.forward([SeqInput(("alone",) + s, list(x) + [42, 7], logits_at=[len(x), len(x) + 1])])[0]
         assert torch.equal(got, alone)
+
+
+def test_live_sequences_stay_on_adjacent_slots_so_a_decode_step_is_one_ubatch(ll, prompts):
+    """llama.cpp runs a batch over per-sequence KV streams as ubatches over runs of adjacent slots, each
+    reading every weight: new sequences take the lowest free slots and the prompt cache keeps released streams
+    on the highest, so after requests come and go a decode step over the live ones is still one ubatch."""
+    runner = LlamaCppRunner(ll.runner.path, slots=16, exact=False)
+    ids = ids_of(ll, prompts)
+    for turn in range(3):  # each turn: 3 new requests prefill and decode, then finish (kept by the prompt cache)
+        seqs = [(turn, i) for i in range(len(ids))]
+        for s, x in zip(seqs, ids):
+            runner.forward([SeqInput(s, runner.sync(s, list(x) + [turn]))])
+        before = runner.stats.ubatches
+        runner.forward([SeqInput(s, [42]) for s in seqs])
+        assert sorted(runner._seqs[s].slot for s in seqs) == [0, 1, 2]
+        assert runner.stats.ubatches - before == 1
+        for s in seqs:
+            runner.release(s)
+        assert sorted(runner._kept) == list(range(16 - 3 * (turn + 1), 16))
+    apart = LlamaCppRunner(ll.runner.path, slots=8, exact=False)  # the same step on slots 1, 3 and 5
+    for i, x in enumerate(ids):
+        apart.forward([SeqInput(("other", i), list(x[:4]))])  # live, but not in the step
+        apart.forward([SeqInput(("live", i), list(x))])
+    before = apart.stats.ubatches
+    apart.forward([SeqInput(("live", i), [42]) for i in range(len(ids))])
+    assert apart.stats.ubatches - before == 3
+    for r in (runner, apart):
+        r.close()
 
 
 def test_batched_mode_keeps_released_prompts_until_their_slots_are_needed(ll, prompts):
