@@ -9,7 +9,11 @@ import time
 from calid.planning import CostTable
 from calid.runtime.runner import SeqInput
 
-VERIFY_SIZES = (1, 2, 4, 8, 16, 32)  # up to an n-gram copy's length (calid.decoding.ngram.MAX_CHAIN)
+# up to an n-gram copy's length (calid.decoding.ngram.MAX_CHAIN), densely where the cost curve is not smooth: on a
+# 2-core CPU, llama.cpp's K-quant matmul switches to 16-row tiles at 8 rows, so 9-15 tokens cost more than 16
+# (Qwen 1.5B, all rows' logits: 7 tokens 169 ms, 8: 234, 12: 293, 15: 337, 16: 283), which sizes 8 and 16 alone
+# would interpolate as cheaper than they are
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 20, 24, 32)
 DRAFT_BATCHES = (1, 2, 4, 8)
 CONTEXT = 64  # tokens cached before the timed forwards, like a request past its prompt
 

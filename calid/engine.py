@@ -51,6 +51,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_position = target.max_position
         self.orchestrator = Orchestrator(tokenizer, eos_ids, self.max_position, draft is not None, default_decode)
+        self.orchestrator.sliced = getattr(target, "backend", None) == "llamacpp"  # see Orchestrator
         self.verifier = TargetWorker(target, lookahead, shared_trie, max_forward_tokens)
         self.drafter = (DraftWorker(draft, eos_ids, extra_drafts, max_forward_tokens)
                         if draft is not None else None)
@@ -130,7 +131,9 @@ class Engine:
         fed, start = self.target.stats.tokens, time.perf_counter()
         results = self.verifier.verify(verify)
         if verify:
-            orch.observe_verify(self.target.stats.tokens - fed, time.perf_counter() - start)
+            fed = self.target.stats.tokens - fed
+            lengths = [1 + len(t.draft) for t in verify]  # the sequences' tokens, unless the forward fed others
+            orch.observe_verify(fed, time.perf_counter() - start, lengths=lengths if fed == sum(lengths) else None)
         events = orch.after_verify(results)
         orch.observe_step(time.perf_counter() - step_start)
         yield from events

@@ -57,6 +57,10 @@ class Orchestrator:
         # replica (seeded from the pooled one) and says, through replica_of, which replica holds a request
         self.verify_cost, self.draft_cost = CostTable(), CostTable()
         self.costs_pinned = False  # pin_costs: the tables are given, timings no longer change them
+        # the target splits a batch into slices of equal tokens per sequence (llama.cpp with a KV stream per sequence):
+        # plans price a verification by its slices (calid.planning.split_cost), and only forwards of one slice (every
+        # sequence as long) are timed into the table
+        self.sliced = False
         self.replica_costs: dict[Hashable, CostTable] = {}
         self.replica_of: Callable[[Hashable], Hashable | None] = lambda request_id: None
         self._acceptance: dict[Hashable, Acceptance] = {}
@@ -157,10 +161,13 @@ class Orchestrator:
         self.verify_cost, self.draft_cost = verify, draft
         self.costs_pinned, self.guard = True, None
 
-    def observe_verify(self, tokens: int, seconds: float, replica: Hashable | None = None) -> None:
+    def observe_verify(self, tokens: int, seconds: float, replica: Hashable | None = None,
+                       lengths: list[int] | None = None) -> None:
         """A target forward over ``tokens`` new tokens took ``seconds`` (caller-measured, transport included),
-        on ``replica`` (None: the only one, or a calibration, which also fills the sizes a replica's table lacks)."""
-        if self.costs_pinned:
+        on ``replica`` (None: the only one, or a calibration, which also fills the sizes a replica's table lacks).
+        ``lengths``: its sequences' tokens, where known; with ``sliced`` a forward counts only when they are
+        all equal (one slice: the table's sizes are such forwards)."""
+        if self.costs_pinned or (self.sliced and len(set(lengths or ())) != 1):
             return
         if replica is not None:
             pooled = self.verify_cost
@@ -243,7 +250,7 @@ class Orchestrator:
             if auto:
                 inputs = [self._plan_input(s) for s in auto]
                 chosen = plan_steps(inputs, self.verify_cost_of(replica), draft_cost,
-                                    fixed_tokens=len(group) - len(auto))
+                                    fixed_tokens=len(group) - len(auto), sliced=self.sliced)
                 plans += zip(auto, chosen)
                 extra += [r.tokens(c) - 1 for r, c in zip(inputs, chosen)]
         drafts = any(c.mode != "ar" for _, c in plans)

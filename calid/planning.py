@@ -32,21 +32,23 @@ Terms:
                  chain, tree_chains per tree, over the requests drafting d or more deep),
                  plus the draft model's catch-up on tokens it has not seen, for the requests it drafts for,
                  target time = verify(sum_i tokens verified: 1 + g for a chain (model or n-gram),
-                 1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead).
-  guard          the plan is a model's; StepGuard checks it against what steps really yield: seconds per
-                 output token of the steps that drafted vs of plain steps, per batch size, measured whole
-                 (draft, verify, transport, planning), with drafting steps apart by how much they bet (the
-                 tokens the plan expects beyond a plain step's: under 1, under 4, more), so that the short
-                 bets of one request do not stop the long copies of another. Drafting must measurably
-                 win (by GUARD_MARGIN): where it does not, ties included, steps run plain (one in
-                 GUARD_EXPLORE still drafts, so the measure follows a workload that changes), since a server's
-                 own choice must never cost more than plain decoding; where it wins, one in GUARD_EXPLORE runs
-                 plain, so plain's measure stays current.
+                 1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead), or, for a runtime that
+                 splits a batch by length (sliced), the sum of its slices (split_cost).
+  slices         llama.cpp with a KV stream per sequence runs a batch as ubatches of equal tokens per sequence over
+                 sequences on adjacent slots (llama_batch_allocr::split_equal, sequential): first one slice of
+                 every sequence's first tokens, up to the shortest's length (the runner keeps live sequences on
+                 adjacent slots), then, for the sequences longer than that, slices over runs of adjacent slots.
+                 Each slice reads all the weights. Which requests draft is not up to their slots, so a longer
+                 sequence is priced as a slice of its own: one request verifying 16 tokens beside 11 plain ones
+                 costs a 12-token forward plus a 16-token one (Qwen 1.5B, 2-core CPU: 593 ms, where a 28-token
+                 forward of one sequence costs about 490); 6 such requests on alternate slots, 7 slices.
 """
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 SMOOTHING = 0.3  # weight of a new timing in a size's running estimate
 GUARD_MARGIN = 0.03  # drafting must measure at least this share faster per token than plain steps to run
@@ -200,17 +202,51 @@ class PlanInput:
         return self.draft_setup_s if self.lanes(c) else 0.0
 
 
+def split_cost(lengths: list[int], verify) -> float:
+    """Seconds of a forward over sequences of these token counts on a runtime that splits a batch into slices
+    (see the module's notes): one slice of every sequence's first tokens, as many as the shortest has, then each
+    longer sequence's remaining tokens as a slice of its own."""
+    lengths = [x for x in lengths if x > 0]
+    if not lengths:
+        return 0.0
+    low = min(lengths)
+    return verify(low * len(lengths)) + sum(verify(x - low) for x in lengths if x > low)
+
+
+class _Slices:
+    """A fixed set of sequences priced by split_cost, with the price of one more sequence of any length: O(1)
+    unless it is shorter than all of them."""
+
+    def __init__(self, lengths: Counter, verify):
+        self.lengths = {h: n for h, n in lengths.items() if n > 0}
+        self.verify = verify
+        self.count = sum(self.lengths.values())
+        self.low = min(self.lengths, default=0)
+        self.above = sum(n * verify(h - self.low) for h, n in self.lengths.items() if h > self.low)
+
+    def price(self, extra: int = 0) -> float:
+        """Seconds of the forward with one more sequence of ``extra`` tokens (0: none)."""
+        if extra <= 0:
+            return self.verify(self.low * self.count) + self.above if self.count else 0.0
+        if self.count and extra >= self.low:
+            return self.verify(self.low * (self.count + 1)) + self.above + self.verify(extra - self.low)
+        return self.verify(extra * (self.count + 1)) + sum(n * self.verify(h - extra) for h, n in self.lengths.items())
+
+
 class _Step:
     """A step's totals under a plan (expected tokens, verified tokens, draft lanes by depth), kept up to date
-    as single requests change their choice, with the costs memoised by size (whole tokens and lanes)."""
+    as single requests change their choice, with the costs memoised by size (whole tokens and lanes).
+    ``sliced``: the target splits a batch into slices (split_cost), so a verification is priced from
+    every sequence's length, not from their total; the ``fixed_tokens`` other requests count one token each."""
 
     def __init__(self, reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int,
-                 plan: list[Choice]):
+                 plan: list[Choice], sliced: bool = False):
         self.reqs, self.fixed = reqs, fixed_tokens
         self._verify, self._draft_step = verify, draft_step
         self._verify_memo: dict[int, float] = {}
         self._draft_memo: dict[int, float] = {0: 0.0}
         self.plan, self.tokens, self.verified, self.setup = list(plan), 0.0, fixed_tokens, 0.0
+        self.lengths: Counter | None = Counter({1: fixed_tokens}) if sliced else None
         self.lanes = [0] * max([c.gamma for c in plan] + [r.cap for r in reqs] + [0])
         for i, c in enumerate(plan):
             self._add(i, c, +1)
@@ -219,6 +255,13 @@ class _Step:
         if tokens not in self._verify_memo:
             self._verify_memo[tokens] = self._verify(tokens)
         return self._verify_memo[tokens]
+
+    def _verification(self) -> Callable[[int], float]:
+        """Seconds of the target's forward with one more sequence of the given tokens (0: none) beside the
+        choices now in the plan."""
+        if self.lengths is None:
+            return lambda extra: self.verify(self.verified + extra)
+        return _Slices(self.lengths, self.verify).price
 
     def draft(self, lanes: int) -> float:
         if lanes not in self._draft_memo:
@@ -230,12 +273,14 @@ class _Step:
         self.tokens += sign * r.tokens(c)
         self.verified += sign * r.verified(c)
         self.setup += sign * r.setup(c)
+        if self.lengths is not None:
+            self.lengths[r.verified(c)] += sign
         if k := r.lanes(c):
             for d in range(c.gamma):
                 self.lanes[d] += sign * k
 
     def rate(self) -> float:
-        seconds = self.setup + sum(self.draft(n) for n in self.lanes) + self.verify(self.verified)
+        seconds = self.setup + sum(self.draft(n) for n in self.lanes) + self._verification()(0)
         return self.tokens / seconds if seconds > 0 else 0.0
 
     def choose(self, i: int, options: list[Choice]) -> float:
@@ -244,6 +289,7 @@ class _Step:
         r = self.reqs[i]
         self._add(i, self.plan[i], -1)
         base = self.setup + sum(self.draft(n) for n in self.lanes)
+        verification = self._verification()
         extra: dict[int, list[float]] = {}  # lanes per depth -> extra draft time down to each depth
         best, choice = -1.0, self.plan[i]
         for c in options:
@@ -254,7 +300,7 @@ class _Step:
                     acc += self.draft(n + k) - self.draft(n)
                     sums.append(acc)
                 extra[k] = sums
-            seconds = base + r.setup(c) + (extra[k][c.gamma] if k else 0.0) + self.verify(self.verified + r.verified(c))
+            seconds = base + r.setup(c) + (extra[k][c.gamma] if k else 0.0) + verification(r.verified(c))
             rate = (self.tokens + r.tokens(c)) / seconds if seconds > 0 else 0.0
             if rate > best * (1 + 1e-9) or (c == self.plan[i] and rate >= best):
                 best, choice = rate, c
@@ -264,13 +310,14 @@ class _Step:
 
 
 def step_rate(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
-              fixed_tokens: int = 0) -> float:
-    """Expected tokens per second of a step under ``plan`` (``fixed_tokens``: other work in the forward)."""
-    return _Step(reqs, verify, draft_step, fixed_tokens, plan).rate()
+              fixed_tokens: int = 0, sliced: bool = False) -> float:
+    """Expected tokens per second of a step under ``plan`` (``fixed_tokens``: other work in the forward, one
+    token per other request; ``sliced``: the target splits a batch into slices, see split_cost)."""
+    return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced).rate()
 
 
 def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int = 0,
-               passes: int = 2) -> list[Choice]:
+               passes: int = 2, sliced: bool = False) -> list[Choice]:
     """Per request the Choice maximising ``step_rate``. Starts from the best plan that gives every request the
     same choice (a batched draft step costs about as much for one lane as for many, so drafting often pays
     only when many requests draft together), then improves one request at a time. A busy or slow-to-verify
@@ -282,8 +329,8 @@ def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, 
     offered = [set(opts) for opts in options]
     kinds = sorted(set().union(*offered), key=_order)
     uniform = [[c if c in offer else _nearest(c, opts) for opts, offer in zip(options, offered)] for c in kinds]
-    plan = max(uniform, key=lambda p: step_rate(p, reqs, verify, draft_step, fixed_tokens))
-    step = _Step(reqs, verify, draft_step, fixed_tokens, plan)
+    plan = max(uniform, key=lambda p: step_rate(p, reqs, verify, draft_step, fixed_tokens, sliced))
+    step = _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced)
     for _ in range(passes):
         before = list(step.plan)
         for i in range(len(reqs)):

@@ -97,6 +97,7 @@ class Router:
             self.max_position = slot_cells(model_cfg, self.cfg.kv_budget_mb and self.cfg.kv_budget_mb * 2**20)
         self.orch = Orchestrator(self.tokenizer, eos_token_ids(folder, self.tokenizer), self.max_position,
                                  has_draft=draft is not None)
+        self.orch.sliced = backend == "llamacpp"
         if self.cfg.default_mode:
             self.orch.default_decode = replace(self.orch.default_decode, mode=self.cfg.default_mode)
         self.orch.audit_every = self.cfg.agreement_audit_every
@@ -448,7 +449,8 @@ class Router:
             if all(s.stats.target_calls for s in states) and not failed:  # decode steps only: a prefill's size is unknown here
                 for replica, group, reply, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
                     forwards = max((r.forwards for r in reply.results), default=1)  # a run of plain steps: per step
-                    self.orch.observe_verify(sum(1 + len(t.draft) for t in group), seconds / forwards, replica)
+                    lengths = [1 + len(t.draft) for t in group]
+                    self.orch.observe_verify(sum(lengths), seconds / forwards, replica, lengths)
             self._deliver(self.orch.after_verify(results))
         self.orch.observe_step(time.perf_counter() - start)
         self._end_rounds(edge, before)
@@ -530,7 +532,7 @@ class Router:
             return
         self.call_overhead_s = {"target": verify_trip, "draft": draft_trip}
         for size, secs in verify.items():
-            self.orch.observe_verify(size, secs + verify_trip)
+            self.orch.observe_verify(size, secs + verify_trip, lengths=[size])  # one sequence of that size
         self.orch.draft_prefill_s = draft.pop("prefill_s", 0.0)
         for size, secs in draft.items():
             self.orch.observe_draft(size, 1, secs + draft_trip)

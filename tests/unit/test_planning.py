@@ -1,8 +1,10 @@
 """The step planner with hand-built cost models: when drafting pays and when it does not."""
 import pytest
 
+import random
+
 from calid.planning import (AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, guard_bucket, plan_steps,
-                            step_rate)
+                            split_cost, step_rate)
 
 
 def table(points: dict[int, float]) -> CostTable:
@@ -143,6 +145,67 @@ def test_an_ngram_chain_may_run_past_the_draft_length():
     long = PlanInput(alpha=0.5, cap=8, **copy(20, 0.97))
     assert Choice("ngram", 20) in long.options(True)
     assert plan_steps([long], GPU_LIKE, CostTable()) == [Choice("ngram", 20)]
+
+
+QWEN_15B = table({1: 0.034, 2: 0.057, 4: 0.093, 8: 0.216, 16: 0.272, 32: 0.429})  # llama.cpp, calibrated
+
+
+def test_a_sliced_batch_costs_a_shared_slice_then_one_slice_per_longer_sequence():
+    """llama.cpp with a KV stream per sequence runs 1 x 17 + 11 x 1 tokens as 12 x 1, then 1 x 16."""
+    assert split_cost([17] + [1] * 11, QWEN_15B) == pytest.approx(QWEN_15B(12) + QWEN_15B(16))
+    assert split_cost([3, 3, 1], QWEN_15B) == pytest.approx(QWEN_15B(3) + 2 * QWEN_15B(2))
+    assert split_cost([4, 4], QWEN_15B) == pytest.approx(QWEN_15B(8))
+    assert split_cost([5], QWEN_15B) == pytest.approx(QWEN_15B(5))
+    assert split_cost([], QWEN_15B) == 0.0
+
+
+def test_the_planner_prices_every_choice_by_slices_as_split_cost_does():
+    """The planner's incremental pricing (one request's options beside the others' choices) agrees with
+    split_cost over the whole batch, for random batches of n-gram chains, and its plan is no worse than ar."""
+    rng = random.Random(7)
+    for _ in range(200):
+        reqs = [PlanInput(alpha=0.5, cap=0, **copy(rng.randint(0, 20), 0.9)) for _ in range(rng.randint(1, 12))]
+        plan = [Choice("ngram", rng.randint(1, r.ngram)) if r.ngram else AR for r in reqs]
+        fixed = rng.randint(0, 3)
+        tokens = sum(r.tokens(c) for r, c in zip(reqs, plan))
+        lengths = [r.verified(c) for r, c in zip(reqs, plan)] + [1] * fixed
+        want = tokens / split_cost(lengths, QWEN_15B)
+        assert step_rate(plan, reqs, QWEN_15B, CostTable(), fixed, sliced=True) == pytest.approx(want)
+        best = plan_steps(reqs, QWEN_15B, CostTable(), fixed, sliced=True)
+        got = step_rate(best, reqs, QWEN_15B, CostTable(), fixed, sliced=True)
+        assert got >= step_rate([AR] * len(reqs), reqs, QWEN_15B, CostTable(), fixed, sliced=True)
+    lone = [PlanInput(alpha=0.5, cap=0, **copy(6, 0.9))] + [PlanInput(alpha=0.5, cap=0, **copy(4, 0.9))] * 3
+    for c in (Choice("ngram", g) for g in range(1, 7)):  # the first request shorter than every other one
+        plan = [c] + [Choice("ngram", 4)] * 3
+        want = sum(r.tokens(x) for r, x in zip(lone, plan)) / split_cost([1 + c.gamma] + [5] * 3, QWEN_15B)
+        assert step_rate(plan, lone, QWEN_15B, CostTable(), sliced=True) == pytest.approx(want)
+
+
+def test_one_long_copy_beside_plain_requests_is_not_drafted_where_the_batch_is_sliced():
+    """12 requests, one with a copy that has held for long: priced by its total (28 tokens, about 0.39 s) the
+    copy pays; priced as llama.cpp runs it (12 tokens, then 16: about 0.52 s) it does not. Alone, the same copy
+    is one slice and pays either way."""
+    reqs = [PlanInput(alpha=0.5, cap=0, **copy(16, 0.97))] + [PlanInput(alpha=0.5, cap=0)] * 11
+    assert plan_steps(reqs, QWEN_15B, CostTable())[0].mode == "ngram"
+    assert plan_steps(reqs, QWEN_15B, CostTable(), sliced=True) == [AR] * 12
+    assert plan_steps(reqs[:1], QWEN_15B, CostTable(), sliced=True) == plan_steps(reqs[:1], QWEN_15B, CostTable())
+    assert plan_steps(reqs[:1], QWEN_15B, CostTable(), sliced=True)[0].mode == "ngram"
+
+
+def test_where_the_batch_is_sliced_only_forwards_of_one_slice_are_timed():
+    from calid.orchestrator import Orchestrator
+
+    orch = Orchestrator(None, frozenset(), max_position=512, has_draft=False)
+    orch.sliced = True
+    orch.observe_verify(28, 0.679, "r0", lengths=[17] + [1] * 11)  # two slices: not a 28-token forward's cost
+    orch.observe_verify(40, 0.500, "r0")  # lengths not known
+    assert orch.verify_cost.as_dict() == {}
+    orch.observe_verify(12, 0.322, "r0", lengths=[1] * 12)
+    orch.observe_verify(16, 0.320, lengths=[16])
+    assert orch.verify_cost.as_dict() == {12: 0.322, 16: 0.320}
+    orch.sliced = False
+    orch.observe_verify(28, 0.679, "r0", lengths=[17] + [1] * 11)
+    assert orch.verify_cost.as_dict()[28] == 0.679
 
 
 def test_an_ngram_chain_is_worth_what_its_survival_says_position_by_position():
