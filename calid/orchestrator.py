@@ -28,7 +28,8 @@ from calid.decoding.modes import DecodeParams
 from calid.decoding.ngram import MAX_CHAIN, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import AR, Acceptance, CostTable, Gain, PlanInput, StepGuard, draft_depth, plan_steps
+from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, PlanInput, StepGuard, draft_depth,
+                            plan_steps, step_seconds)
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -73,12 +74,13 @@ class Orchestrator:
         self._ngram_step: dict[Hashable, list[int]] = {}
         self._ngram_proposal: dict[Hashable, list[int]] = {}  # this step's n-gram proposal per auto request
         self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
-        # the planner's plans against measured outcomes: steps that drafted (by how much they bet) vs plain steps,
+        # the planner's forecasts against measured outcomes: steps that drafted (by how much they bet) vs plain steps,
         # per batch size; the caller times each whole step (observe_step), and the guard may run a planned drafting
         # step plain
         self.guard: StepGuard | None = StepGuard()  # None: plans are followed as made (pinned cost tables)
-        # this step's states, how deep it drafts (calid.planning.draft_depth; 0: plain), the tokens before it
-        self._timed_step: tuple[list[RequestState], int, int] | None = None
+        # this step's states, how deep it drafts (calid.planning.draft_depth; 0: plain), the tokens before it, and
+        # what the planner forecast of it
+        self._timed_step: tuple[list[RequestState], int, int, Forecast] | None = None
         # the draft model's catch-up: seconds per token it prefills (measured by the caller), and how many of each
         # request's ids its last draft task carried (what its cache holds, unless evicted)
         self.draft_prefill_s = 0.0
@@ -193,9 +195,9 @@ class Orchestrator:
         (caller-measured): the guard's measure of steps that drafted vs plain steps, for auto steps past their
         prefill."""
         if self._timed_step is not None and self.guard is not None:
-            states, depth, before = self._timed_step
+            states, depth, before, forecast = self._timed_step
             self._timed_step = None
-            self.guard.observe(len(states), depth, seconds, sum(len(s.output) for s in states) - before)
+            self.guard.observe(len(states), depth, seconds, sum(len(s.output) for s in states) - before, forecast)
 
     def decode_of(self, s: RequestState) -> DecodeParams:
         """The mode a request runs this step (auto: what the planner chose)."""
@@ -245,22 +247,28 @@ class Orchestrator:
         for s in states:
             by_replica.setdefault(self.replica_of(s.req.request_id), []).append(s)
         plans, extra = [], []  # extra: tokens each request's choice expects beyond a plain step's one
+        seconds = plain_seconds = 0.0  # replicas run their forwards side by side: the step takes the slowest's
         for replica, group in by_replica.items():
             auto = [s for s in group if s.req.decode.mode == "auto"]
             if auto:
                 inputs = [self._plan_input(s) for s in auto]
-                chosen = plan_steps(inputs, self.verify_cost_of(replica), draft_cost,
-                                    fixed_tokens=len(group) - len(auto), sliced=self.sliced)
+                verify, fixed = self.verify_cost_of(replica), len(group) - len(auto)
+                chosen = plan_steps(inputs, verify, draft_cost, fixed, sliced=self.sliced)
                 plans += zip(auto, chosen)
                 extra += [r.tokens(c) - 1 for r, c in zip(inputs, chosen)]
+                seconds = max(seconds, step_seconds(chosen, inputs, verify, draft_cost, fixed, self.sliced))
+                plain_seconds = max(plain_seconds,
+                                    step_seconds([AR] * len(auto), inputs, verify, draft_cost, fixed, self.sliced))
+        forecast = Forecast(sum(extra), seconds, plain_seconds)
         drafts = any(c.mode != "ar" for _, c in plans)
         depth = draft_depth(sum(extra)) if drafts else 0
-        if depth and self.guard is not None and not self.guard.allow(len(states), depth):
-            plans, depth = [(s, AR) for s, _ in plans], 0  # drafting this deep measurably loses at this size: plain
+        if depth and self.guard is not None and not self.guard.allow(len(states), depth, forecast):
+            plans, depth = [(s, AR) for s, _ in plans], 0  # drafting as forecast measurably loses: plain
         # a step that prefills (a new request's whole prompt, or a chunk of it) says nothing of decoding: under a
         # closed loop at 8 requests such steps made plain steps read 137 ms per token instead of ~28
         if all(s.stats.target_calls for s in states):
-            self._timed_step = (states, depth, sum(len(s.output) for s in states))
+            timed = forecast if depth else Forecast(0.0, plain_seconds, plain_seconds)
+            self._timed_step = (states, depth, sum(len(s.output) for s in states), timed)
         self.planned.update(c.mode for _, c in plans)
         for s, c in plans:
             rid = s.req.request_id

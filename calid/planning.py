@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 SMOOTHING = 0.3  # weight of a new timing in a size's running estimate
-GUARD_MARGIN = 0.03  # drafting must measure at least this share faster per token than plain steps to run
+GUARD_MARGIN = 0.03  # a drafting step's corrected forecast must be at least this share cheaper per token to run
 GUARD_EXPLORE = 24  # one step in this many goes against the guard's verdict, to keep both measures current
 GUARD_MIN = 3  # steps of each kind measured before the guard judges
 GUARD_PROBE = 4  # until plain steps are measured, one planned drafting step in this many runs plain
-GUARD_SMOOTHING = 0.25
-# drafting plans are judged apart by the tokens they expect beyond a plain step's (one per request): a long copy
-# that has agreed for a while and one shaky token are different bets, and a workload mixes both
+GUARD_DECAY = 0.85  # weight of what a kind's earlier steps did, per step after them
+# drafting plans' forecasts are corrected apart by the tokens they expect beyond a plain step's (one per request): a
+# long copy that has agreed for a while and one shaky token are different bets, and a workload mixes both
 DEPTH_EDGES = (1.0, 4.0, float("inf"))
 DEPTH_NAMES = ("plain", "drafted<1", "drafted<4", "drafted4+")
 
@@ -279,8 +279,11 @@ class _Step:
             for d in range(c.gamma):
                 self.lanes[d] += sign * k
 
+    def seconds(self) -> float:
+        return self.setup + sum(self.draft(n) for n in self.lanes) + self._verification()(0)
+
     def rate(self) -> float:
-        seconds = self.setup + sum(self.draft(n) for n in self.lanes) + self._verification()(0)
+        seconds = self.seconds()
         return self.tokens / seconds if seconds > 0 else 0.0
 
     def choose(self, i: int, options: list[Choice]) -> float:
@@ -314,6 +317,12 @@ def step_rate(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draf
     """Expected tokens per second of a step under ``plan`` (``fixed_tokens``: other work in the forward, one
     token per other request; ``sliced``: the target splits a batch into slices, see split_cost)."""
     return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced).rate()
+
+
+def step_seconds(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
+                 fixed_tokens: int = 0, sliced: bool = False) -> float:
+    """Expected seconds of a step under ``plan`` (draft catch-up, draft steps and the target's forward)."""
+    return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced).seconds()
 
 
 def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int = 0,
@@ -352,23 +361,51 @@ def _nearest(c: Choice, options: list[Choice]) -> Choice:
     return max(same, key=lambda o: o.gamma, default=AR)
 
 
+@dataclass(frozen=True)
+class Forecast:
+    """What the planner expects of a step: ``extra`` tokens beyond one per request, in ``seconds``, where the
+    same step run plain would take ``plain_seconds``."""
+
+    extra: float
+    seconds: float
+    plain_seconds: float
+
+
+PLAIN = Forecast(0.0, 0.0, 0.0)  # a step whose forecast is not known (its measures count, its forecasts do not)
+
+
 @dataclass
-class _Realized:
-    """Running totals of steps of one kind: seconds and output tokens (their ratio: seconds per token)."""
+class _Held:
+    """How steps of one kind went against their forecasts: decayed sums of seconds taken and forecast, tokens
+    produced, and tokens produced beyond one per request against those forecast."""
 
     seconds: float = 0.0
+    forecast_s: float = 0.0
     tokens: float = 0.0
+    extra: float = 0.0
+    forecast_extra: float = 0.0
     samples: int = 0
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        w = 1.0 if self.samples == 0 else GUARD_SMOOTHING
-        self.seconds += w * (seconds - self.seconds)
-        self.tokens += w * (tokens - self.tokens)
+    def observe(self, seconds: float, tokens: int, extra: float, forecast: Forecast) -> None:
+        d = GUARD_DECAY
+        self.seconds, self.tokens = d * self.seconds + seconds, d * self.tokens + tokens
+        self.extra, self.forecast_extra = d * self.extra + extra, d * self.forecast_extra + forecast.extra
+        self.forecast_s = d * self.forecast_s + forecast.seconds
         self.samples += 1
 
     @property
     def per_token(self) -> float:
         return self.seconds / self.tokens
+
+    @property
+    def slower(self) -> float:
+        """Seconds taken per second forecast (1.0 until forecasts are known)."""
+        return self.seconds / self.forecast_s if self.forecast_s > 0 else 1.0
+
+    @property
+    def yielded(self) -> float:
+        """Extra tokens produced per extra token forecast (1.0 until forecasts are known)."""
+        return self.extra / self.forecast_extra if self.forecast_extra > 0 else 1.0
 
 
 def guard_bucket(requests: int) -> int:
@@ -381,38 +418,58 @@ def draft_depth(extra_tokens: float) -> int:
     return next(i for i, edge in enumerate(DEPTH_EDGES, 1) if extra_tokens < edge)
 
 
+ANY_DEPTH = -1  # every drafting step of a batch bucket: what judges a depth with too few steps of its own
+
+
 class StepGuard:
-    """Whether a step may draft as planned, from what plain steps and drafting steps of its size and depth
-    measurably yield."""
+    """Whether a step may draft as planned: its forecast, corrected by how forecasts of its kind held, against a
+    plain step's, corrected the same way.
+
+    A drafting step's forecast (``Forecast``: extra tokens and seconds) is scaled by what steps of its batch size and
+    depth measurably did against theirs: seconds taken per second forecast (transport, planning, a verification
+    dearer than its table) and extra tokens per extra token forecast (a copy that breaks sooner than its survival
+    said); a plain step's by its seconds per second forecast. The step drafts only where the corrected forecast
+    is at least GUARD_MARGIN cheaper per token. So a strong forecast still drafts where weak ones of the same
+    depth lost (a refactor's long copy beside a summary's shaky ones), and forecasts that do not hold stop
+    drafting. A depth with fewer than GUARD_MIN steps of its own is judged by all drafting steps of its size."""
 
     def __init__(self):
-        self._kinds: dict[tuple[int, int], _Realized] = {}  # (batch bucket, depth; 0: plain) -> what steps realised
+        self._kinds: dict[tuple[int, int], _Held] = {}  # (batch bucket, depth; 0: plain, ANY_DEPTH) -> how they went
         self._asked: dict[tuple[int, int], int] = {}
         self.overruled = 0  # planned drafting steps run plain
 
-    def allow(self, requests: int, depth: int) -> bool:
-        """A step of ``requests`` requests whose plan drafts ``depth`` deep (``draft_depth``): may it?"""
+    def allow(self, requests: int, depth: int, forecast: Forecast) -> bool:
+        """A step of ``requests`` requests whose plan drafts ``depth`` deep (``draft_depth``) as ``forecast``:
+        may it?"""
         b = guard_bucket(requests)
         k = self._asked[b, depth] = self._asked.get((b, depth), 0) + 1
         plain, drafted = self._kinds.get((b, 0)), self._kinds.get((b, depth))
+        if drafted is None or drafted.samples < GUARD_MIN:
+            drafted = self._kinds.get((b, ANY_DEPTH))
         if plain is None or plain.samples < GUARD_MIN:
             ok = k % GUARD_PROBE != 0
-        elif drafted is None or drafted.samples < GUARD_MIN:
+        elif drafted is None or drafted.samples < GUARD_MIN or forecast.seconds <= 0 or forecast.plain_seconds <= 0:
             ok = True
-        elif drafted.per_token > plain.per_token * (1 - GUARD_MARGIN):  # not measurably faster: a tie is plain's
-            ok = k % GUARD_EXPLORE == 0
         else:
-            ok = k % GUARD_EXPLORE != 0
+            tokens = requests + forecast.extra * drafted.yielded
+            drafting = forecast.seconds * drafted.slower / tokens
+            if drafting > forecast.plain_seconds * plain.slower / requests * (1 - GUARD_MARGIN):  # a tie is plain's
+                ok = k % GUARD_EXPLORE == 0
+            else:
+                ok = k % GUARD_EXPLORE != 0
         self.overruled += not ok
         return ok
 
-    def observe(self, requests: int, depth: int, seconds: float, tokens: int) -> None:
-        """A whole step (planning, draft, verify, transport) that drafted ``depth`` deep (0: a plain step) took
-        ``seconds`` and produced ``tokens``."""
-        if tokens > 0 and seconds > 0:
-            self._kinds.setdefault((guard_bucket(requests), depth), _Realized()).observe(seconds, tokens)
+    def observe(self, requests: int, depth: int, seconds: float, tokens: int, forecast: Forecast = PLAIN) -> None:
+        """A whole step (planning, draft, verify, transport) that drafted ``depth`` deep (0: a plain step), forecast
+        as ``forecast``, took ``seconds`` and produced ``tokens``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        b = guard_bucket(requests)
+        for key in ((b, depth), (b, ANY_DEPTH)) if depth else ((b, 0),):
+            self._kinds.setdefault(key, _Held()).observe(seconds, tokens, tokens - requests, forecast)
 
     def summary(self) -> dict[str, float]:
         """Measured milliseconds per output token by batch bucket and kind (for stats and metrics)."""
-        return {f"{DEPTH_NAMES[d]}@{b}": round(1000 * r.per_token, 2) for (b, d), r in sorted(self._kinds.items())}
-
+        return {f"{DEPTH_NAMES[d]}@{b}": round(1000 * r.per_token, 2) for (b, d), r in sorted(self._kinds.items())
+                if d != ANY_DEPTH}

@@ -157,8 +157,9 @@ def run(args) -> int:
         "serving_ms_per_step: (router step time - workers' forward time) / router steps: transport and router work",
         "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
         "tokens) / all output tokens",
-        "guard_plain: served steps whose plan drafted but that the router's StepGuard ran plain, because drafting "
-        "that much measurably lost at that batch size (calid.planning.StepGuard)",
+        "guard_plain: served steps whose plan drafted but that the router's StepGuard ran plain, because the plan's "
+        "forecast, corrected by how forecasts of its size and depth held, did not beat a plain step's "
+        "(calid.planning.StepGuard)",
         "same_as_ar: greedy outputs identical to ar's token for token (lossless modes must match)",
         "filter_cap: ar's cost per token at this batch / the draft's, timed on the in-process runners: the most "
         "filter can gain in decoding here, if the draft made every token and the target were never asked "

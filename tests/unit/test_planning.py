@@ -244,33 +244,54 @@ def test_a_draft_that_must_catch_up_first_pays_for_it_in_the_step():
 
 # ---- StepGuard: the plan checked against measured steps ------------------------------------------------
 
-def _guard_after(plain_ms: float, drafted_ms: float, requests: int = 4, depth: int = 2):
-    from calid.planning import GUARD_MIN, StepGuard
+def _guard_after(plain_ms: float, drafted_ms: float, requests: int = 4, depth: int = 2,
+                 forecast_ms: float | None = None, yielded: float = 1.0):
+    """A guard that has seen GUARD_MIN plain steps (forecast exactly: one token per request at ``plain_ms`` per
+    token) and GUARD_MIN drafting steps ``depth`` deep, forecast at two tokens per request at ``forecast_ms`` per
+    token (default: ``drafted_ms``), that took ``drafted_ms`` per forecast token and yielded ``yielded`` of the
+    forecast extra tokens."""
+    from calid.planning import GUARD_MIN, Forecast, StepGuard
 
     g = StepGuard()
+    plain_s, forecast_s = plain_ms * requests / 1000, (forecast_ms or drafted_ms) * 2 * requests / 1000
     for _ in range(GUARD_MIN):
-        g.observe(requests, 0, plain_ms * requests / 1000, requests)  # plain: one token per request
-        g.observe(requests, depth, drafted_ms * 2 * requests / 1000, 2 * requests)  # drafting: two per request
+        g.observe(requests, 0, plain_s, requests, Forecast(0, plain_s, plain_s))
+        g.observe(requests, depth, drafted_ms * 2 * requests / 1000, round(requests * (1 + yielded)),
+                  Forecast(requests, forecast_s, plain_s))
     return g
 
 
-def test_the_guard_runs_steps_plain_where_drafting_measurably_loses_and_still_explores():
+def _forecast(ms_per_token: float, plain_ms: float = 26.0, requests: int = 4):
+    """A drafting step forecast at two tokens per request at ``ms_per_token``, beside plain steps at ``plain_ms``."""
+    from calid.planning import Forecast
+
+    return Forecast(requests, ms_per_token * 2 * requests / 1000, plain_ms * requests / 1000)
+
+
+def test_the_guard_runs_steps_plain_where_drafting_forecasts_do_not_hold_and_still_explores():
     from calid.planning import GUARD_EXPLORE
 
-    g = _guard_after(plain_ms=26.0, drafted_ms=30.0)  # drafting costs 30 ms per token, plain 26
-    verdicts = [g.allow(4, 2) for _ in range(2 * GUARD_EXPLORE)]
+    g = _guard_after(plain_ms=26.0, drafted_ms=30.0, forecast_ms=20.0)  # forecast 20 ms a token, took 30
+    verdicts = [g.allow(4, 2, _forecast(20.0)) for _ in range(2 * GUARD_EXPLORE)]
     assert verdicts.count(True) == 2 and g.overruled == 2 * GUARD_EXPLORE - 2
     assert g.summary() == {"drafted<4@4": 30.0, "plain@4": 26.0}
+    assert g.allow(4, 2, _forecast(15.0))  # 1.5 x 15 = 22.5 ms: drafting wins even as its forecasts go
 
 
-def test_the_guard_follows_the_planner_where_drafting_wins_with_a_plain_step_now_and_then():
+def test_copies_that_break_sooner_than_forecast_shrink_what_a_forecast_promises():
+    g = _guard_after(plain_ms=26.0, drafted_ms=15.0, yielded=0.5)  # half the forecast extra tokens came
+    assert not g.allow(4, 2, _forecast(20.0))  # 160 ms for 4 + 4 x 0.5 = 6 tokens: 26.7 ms each, plain 26
+    assert g.allow(4, 2, _forecast(15.0))  # 120 ms for 6 tokens: 20 ms each
+
+
+def test_the_guard_follows_the_planner_where_forecasts_hold_with_a_plain_step_now_and_then():
     from calid.planning import GUARD_EXPLORE
 
     g = _guard_after(plain_ms=26.0, drafted_ms=15.0)
-    verdicts = [g.allow(4, 2) for _ in range(2 * GUARD_EXPLORE)]
+    verdicts = [g.allow(4, 2, _forecast(15.0)) for _ in range(2 * GUARD_EXPLORE)]
     assert verdicts.count(False) == 2
     clear_win = _guard_after(plain_ms=26.0, drafted_ms=24.8)  # 4.6% cheaper: past the margin
-    assert sum(clear_win.allow(4, 2) for _ in range(GUARD_EXPLORE)) == GUARD_EXPLORE - 1
+    assert sum(clear_win.allow(4, 2, _forecast(24.8)) for _ in range(GUARD_EXPLORE)) == GUARD_EXPLORE - 1
 
 
 def test_a_tie_or_a_win_inside_the_margin_runs_plain():
@@ -281,32 +302,47 @@ def test_a_tie_or_a_win_inside_the_margin_runs_plain():
 
     for drafted_ms in (26.4, 26.0, 25.6):  # 1.5% dearer, equal, 1.5% cheaper: all inside the 3% margin
         g = _guard_after(plain_ms=26.0, drafted_ms=drafted_ms)
-        assert sum(g.allow(4, 2) for _ in range(GUARD_EXPLORE)) == 1  # only the exploring step drafts
+        assert sum(g.allow(4, 2, _forecast(drafted_ms)) for _ in range(GUARD_EXPLORE)) == 1  # only the exploring step
 
 
-def test_short_bets_and_long_copies_are_judged_apart():
+def test_a_strong_forecast_drafts_where_weak_ones_of_its_depth_did_not_pay():
+    """Grounded workload at one request (Qwen 1.5B, in process): long copies of a refactor and a summary's short
+    ones share a depth; those steps measured 33.8 ms per token against 34.1 plain, and the guard that judged
+    them by that ran 25 of 28 planned steps of a refactor plain, where the oracle bound is 1.79x. Their forecasts
+    held: a copy forecast at 27 ms per token drafts, one forecast at a plain step's cost does not."""
+    g = _guard_after(plain_ms=34.0, drafted_ms=33.8, requests=1, depth=3)
+    assert g.summary() == {"drafted4+@1": 33.8, "plain@1": 34.0}
+    assert g.allow(1, 3, _forecast(27.0, plain_ms=34.0, requests=1))
+    assert not g.allow(1, 3, _forecast(33.8, plain_ms=34.0, requests=1))
+
+
+def test_short_bets_and_long_copies_are_corrected_apart():
     """A summary's one shaky copied token and a refactor's 16-token copy that has agreed for a while are different
-    bets: measured together, the first ones' losses stopped the second ones' wins (grounded workload in process:
-    auto 0.97x ar per decoded token with one measure, 1.12x without a guard)."""
-    from calid.planning import GUARD_MIN, draft_depth
+    bets: the short ones' misses must not shrink what the long ones promise."""
+    from calid.planning import GUARD_MIN, Forecast, draft_depth
 
     assert [draft_depth(x) for x in (0.2, 0.99, 1.0, 3.9, 4.0, 20.0)] == [1, 1, 2, 2, 3, 3]
-    g = _guard_after(plain_ms=26.0, drafted_ms=40.0, depth=1)  # short drafts lose
-    for _ in range(GUARD_MIN):
-        g.observe(4, 3, 13.0 * 8 * 4 / 1000, 8 * 4)  # long copies: 8 tokens a request at 13 ms per token
-    assert not g.allow(4, 1) and g.allow(4, 3)
-    assert g.allow(4, 2)  # nothing measured this deep yet: the planner's call
+    g = _guard_after(plain_ms=26.0, drafted_ms=20.0, depth=1, yielded=0.0)  # short drafts: nothing accepted
+    for _ in range(GUARD_MIN):  # long copies: 8 tokens a request at 13 ms per token, as forecast
+        g.observe(4, 3, 13.0 * 8 * 4 / 1000, 8 * 4, Forecast(7 * 4, 13.0 * 8 * 4 / 1000, 0.104))
+    assert not g.allow(4, 1, _forecast(20.0)) and g.allow(4, 3, _forecast(20.0))
     assert g.summary() == {"plain@4": 26.0, "drafted<1@4": 40.0, "drafted4+@4": 13.0}
+
+
+def test_a_depth_with_too_few_steps_is_judged_by_every_drafting_step_of_its_size():
+    g = _guard_after(plain_ms=26.0, drafted_ms=40.0, depth=1, forecast_ms=20.0)  # depth 1 took twice its forecast
+    assert not g.allow(4, 2, _forecast(20.0))  # depth 2 unmeasured: 2 x 20 = 40 ms a token
+    assert g.allow(4, 2, _forecast(10.0))  # 20 ms a token
 
 
 def test_the_guard_measures_plain_steps_first_and_judges_each_batch_size_apart():
     from calid.planning import GUARD_PROBE, StepGuard
 
     g = StepGuard()
-    assert [g.allow(1, 2) for _ in range(2 * GUARD_PROBE)].count(False) == 2  # probes: one in GUARD_PROBE plain
-    loses = _guard_after(plain_ms=26.0, drafted_ms=40.0, requests=4)
-    assert not loses.allow(4, 2)
-    assert loses.allow(12, 2)  # nothing measured at 12 requests yet: the planner's call
+    assert [g.allow(1, 2, _forecast(10.0, requests=1)) for _ in range(2 * GUARD_PROBE)].count(False) == 2  # probes
+    loses = _guard_after(plain_ms=26.0, drafted_ms=40.0, forecast_ms=20.0, requests=4)
+    assert not loses.allow(4, 2, _forecast(20.0))
+    assert loses.allow(12, 2, _forecast(20.0, requests=12))  # nothing measured at 12 requests yet: the planner's call
     assert [guard_bucket(n) for n in (1, 8, 9, 12, 16, 17)] == [1, 8, 16, 16, 16, 32]
 
 
