@@ -66,6 +66,30 @@ def test_agreement_counts_back_from_the_match_to_the_first_difference():
     assert index([1, 2, 3, 4]).copy(4) == Copy([], 0) and index([1, 2, 1, 2]).copy(0) == Copy([], 0)
 
 
+def test_agreement_runs_on_through_small_edits():
+    """A renamed function: the copy breaks where the new name has an extra token, then agrees again."""
+    from calid.decoding.ngram import EDITS, agreement
+
+    src = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    edited = [10, 11, 12, 13, 99, 14, 15, 16]  # one token inserted after 13 (a rename's "_v2")
+    ids = src + [50] + edited
+    at, end = 7, len(ids)  # the source's ... 14 15 16 ends before 17; the sequence ends ... 14 15 16
+    assert agreement(ids, at, end) == 3 + 4  # 14 15 16, skip 99, then 10 11 12 13
+    assert agreement(ids, at, end, longest=5) == 5
+    # a replaced token (deleted in the copy, inserted in its place) and a deleted one
+    assert agreement(src + [50] + [10, 11, 12, 13, 77, 15, 16], 7, 17) == 2 + 4
+    assert agreement(src + [50] + [10, 11, 12, 13, 15, 16], 7, 16) == 2 + 4
+    # what agrees again must be RESYNC tokens long: one token after an edit does not count
+    assert agreement([4, 5, 1, 2, 3, 8, 9, 50, 6, 5, 7, 3, 8, 9], 7, 14) == 3
+    # edits pass at most EDITS times; six tokens inserted is not a small edit
+    many = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    copy = [1, 2, 3, 4, 90, 5, 6, 7, 8, 91, 9, 10, 11, 12, 92, 13, 14, 15, 16]
+    assert agreement(many + [60] + copy, 16, 40) == 4 + 4 + 4 + (4 if EDITS >= 3 else 0)
+    assert agreement(many + [60] + [1, 2, 3, 4, 90, 91, 92, 93, 94, 95, 5, 6, 7], 7, 34) == 3
+    # a periodic sequence agrees back to its start
+    assert agreement([1, 2, 1, 2, 1, 2], 4, 6) == 4
+
+
 def test_a_copy_is_worth_more_the_longer_it_has_agreed():
     assert Copy([1, 2, 3], agreed=2).survival() == pytest.approx([1 / 2, 1 / 3, 1 / 4])  # a fresh 2-gram match
     # 10 tokens beyond the shortest match: Laplace's rule of succession, S(j) = 11 / (11 + j)
