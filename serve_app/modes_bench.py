@@ -1,6 +1,7 @@
 """``calid bench modes``: does any mode the server chooses lose to plain decoding, served or in process?
 
-Side by side in one run, same prompts, greedy, fixed output length (EOS ignored): for each workload,
+Side by side in one run, same prompts, greedy, fixed output length (EOS ignored; ``--grounded-tokens N``: grounded
+answers run to their end, at most N tokens, since a refactor's answer is the whole function): for each workload,
 concurrency C and mode, a burst of C requests through gRPC + Ray Serve and the same C requests through
 the in-process ``Engine`` (batch C), alternating which goes first, repeated ``--rounds`` times (the
 median counts: the machine is shared and noisy). Workloads:
@@ -42,6 +43,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workloads", default="humaneval,grounded", help=f"comma-separated among {', '.join(WORKLOADS)}")
     p.add_argument("--rounds", type=int, default=2, help="repeats of every point (median reported)")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--grounded-tokens", type=int, default=0, help="grounded answers run to their end (EOS), at most "
+                   "this many tokens (0: --max-new-tokens, EOS ignored, as the other workloads)")
     p.add_argument("--no-inproc", action="store_true", help="serve only (skip the in-process engine)")
     p.add_argument("--batch-invariant", choices=("on", "off"), default=None, help="override the app config's "
                    "batch_invariant (llama.cpp: exact forwards of at most 3 rows a call)")
@@ -62,8 +65,10 @@ def _options(args):
     sweep = parse_numbers(args.concurrency, int)
     if any(m not in MODES for m in modes) or any(w not in WORKLOADS for w in workloads) or not workloads:
         raise CalidError(f"--modes takes modes among {', '.join(MODES)}; --workloads among {', '.join(WORKLOADS)}")
-    if not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2 or (args.plain_run_ms or 0) < 0:
-        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1, --max-new-tokens >= 2 and --plain-run-ms >= 0")
+    if (not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2 or (args.plain_run_ms or 0) < 0
+            or args.grounded_tokens < 0 or 0 < args.grounded_tokens < 2):
+        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1, --max-new-tokens >= 2, --grounded-tokens 0 "
+                         "or >= 2 and --plain-run-ms >= 0")
     return ["ar"] + [m for m in modes if m != "ar"], workloads, sorted(set(sweep))
 
 
@@ -96,10 +101,14 @@ def run(args) -> int:
     engine = None if args.no_inproc else Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner,
                                                 max_batch=top, max_forward_tokens=cfg.max_forward_tokens)
     texts = {"humaneval": humaneval_prompts(top), "grounded": grounded_prompts(top)}
+    # per workload: at most how many tokens, and whether EOS ends an answer
+    lengths = {w: (args.max_new_tokens, False) for w in WORKLOADS}
+    if args.grounded_tokens:
+        lengths["grounded"] = (args.grounded_tokens, True)
     bandwidth = memory_bandwidth_gbs()
     limit = decode_limit_tok_s(bandwidth, target.decode_read_bytes)
     print(f"bench modes: target {cfg.target}, draft {cfg.draft}; modes {modes}; concurrency {sweep}; workloads "
-          f"{workloads}; {args.rounds} rounds; {args.max_new_tokens} new tokens (EOS ignored), greedy; {cpu_summary()}; "
+          f"{workloads}; {args.rounds} rounds; {_lengths_text(lengths, workloads)}, greedy; {cpu_summary()}; "
           f"bandwidth {bandwidth:.1f} GB/s -> one decode step >= {1000 / limit:.1f} ms ({limit:.1f} tok/s at batch 1)",
           file=sys.stderr)
     spec_cap = None
@@ -126,7 +135,7 @@ def run(args) -> int:
                         ids = [encode_prompt(target.tokenizer, t) for t in prompts]
                         for mode in modes:
                             samples.setdefault((w, c, mode), []).append(
-                                _point(cfg, address, engine, mode, prompts, ids, args.max_new_tokens, rnd % 2 == 1))
+                                _point(cfg, address, engine, mode, prompts, ids, *lengths[w], rnd % 2 == 1))
                             bar.update(1)
         caps = _filter_caps(engine, sweep) if engine is not None and "filter" in modes else {}
     finally:
@@ -142,7 +151,7 @@ def run(args) -> int:
     rows = _rows(samples, caps)
     meta = {"target": cfg.target, "draft": cfg.draft, "batch_invariant": cfg.batch_invariant,
             "plain_run_ms": cfg.plain_run_ms,
-            "new_tokens": args.max_new_tokens, "rounds": args.rounds,
+            "new_tokens": _lengths_text(lengths, workloads), "rounds": args.rounds,
             "cpu": cpu_summary(), "bandwidth_GBps": round(bandwidth, 1), "decode_limit_tok_s": round(limit, 1),
             "verification_cap": None if spec_cap is None else f"{spec_cap[0]:.2f}x at {spec_cap[1]} tokens",
             "ngram_bound": {w: f"{b.ratio:.2f}x ({b.copied}/{b.tokens} tokens copied)" for w, b in bounds.items()}}
@@ -182,14 +191,20 @@ def run(args) -> int:
     return 0
 
 
-def _point(cfg, address, engine, mode, prompts, ids, new, inproc_first: bool) -> dict:
-    """One burst served and (unless engine is None) the same burst in process, in the given order."""
+def _lengths_text(lengths: dict, workloads: list[str]) -> str:
+    return "; ".join(f"{w}: " + (f"to EOS, at most {n} new tokens" if to_eos else f"{n} new tokens (EOS ignored)")
+                     for w, (n, to_eos) in lengths.items() if w in workloads)
+
+
+def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_first: bool) -> dict:
+    """One burst of ``new`` tokens a request (``to_eos``: or fewer, where EOS ends it) served and (unless engine is
+    None) the same burst in process, in the given order."""
     from serve_app.bench import _server_times
 
     def served():
         before, overruled = _server_times(cfg), _overruled(cfg)
         t = time.perf_counter()
-        out = asyncio.run(_burst(address, cfg.app_name, mode, prompts, new))
+        out = asyncio.run(_burst(address, cfg.app_name, mode, prompts, new, to_eos))
         seconds = time.perf_counter() - t
         step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
         return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
@@ -204,10 +219,10 @@ def _point(cfg, address, engine, mode, prompts, ids, new, inproc_first: bool) ->
         from calid.decoding.modes import DecodeParams
         from calid.generation import GenerationRequest, SamplingParams
 
-        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=new, ignore_eos=not to_eos)
         t = time.perf_counter()
-        engine.generate([GenerationRequest(list(i), params, decode=DecodeParams(mode=mode)) for i in ids])
-        return {"inproc_s": time.perf_counter() - t}
+        out = engine.generate([GenerationRequest(list(i), params, decode=DecodeParams(mode=mode)) for i in ids])
+        return {"inproc_s": time.perf_counter() - t, "inproc_tokens": sum(len(r.output_ids) for r in out)}
 
     parts = [inproc, served] if inproc_first else [served, inproc]
     out = {}
@@ -232,11 +247,12 @@ def _overruled(cfg) -> int:
     return guard.get("overruled", 0)
 
 
-async def _burst(address: str, app: str, mode: str, prompts: list[str], new: int):
+async def _burst(address: str, app: str, mode: str, prompts: list[str], new: int, to_eos: bool = False):
     from calid.client import AsyncClient
 
     async with AsyncClient(address, app=app, timeout=1800) as c:
-        return await asyncio.gather(*[c.generate(p, max_new_tokens=new, ignore_eos=True, mode=mode) for p in prompts])
+        return await asyncio.gather(*[c.generate(p, max_new_tokens=new, ignore_eos=not to_eos, mode=mode)
+                                      for p in prompts])
 
 
 def _filter_caps(engine, sweep: list[int]) -> dict[int, float]:
@@ -250,10 +266,10 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
     rows = []
     for (w, c, mode), runs in samples.items():
         med = lambda key: statistics.median(r[key] for r in runs) if all(key in r for r in runs) else float("nan")
-        tokens = runs[0]["tokens"]
-        row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": tokens / med("served_s"),
+        row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": _median_rate(runs, "tokens", "served_s"),
                "tpot_ms": med("tpot_ms"), "_burst_s": med("served_s"), "_first_tokens_s": med("first_tokens_s"),
-               "inproc_tok_s": tokens / med("inproc_s"), "serving_ms_per_step": med("serving_ms_per_step"),
+               "inproc_tok_s": _median_rate(runs, "inproc_tokens", "inproc_s"),
+               "serving_ms_per_step": med("serving_ms_per_step"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
                "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"]}
@@ -274,6 +290,13 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
         for key in ("_outputs", "_burst_s", "_first_tokens_s"):
             del r[key]
     return rows
+
+
+def _median_rate(runs: list[dict], tokens: str, seconds: str) -> float:
+    """The median over runs of tokens / seconds (runs that stop at EOS may differ in tokens; nan if not timed)."""
+    if not all(seconds in r for r in runs):
+        return float("nan")
+    return statistics.median(r.get(tokens, r["tokens"]) / r[seconds] for r in runs)
 
 
 def _whole(decoding: float, prefill_cap: float) -> float:

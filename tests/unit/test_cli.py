@@ -19,6 +19,7 @@ from calid.cli import main
         (["bench", "modes", "--workloads", "chat"], "--workloads among humaneval, grounded"),
         (["bench", "modes", "--concurrency", "0"], "--concurrency takes counts >= 1"),
         (["bench", "modes", "--plain-run-ms", "-5"], "--plain-run-ms >= 0"),
+        (["bench", "modes", "--grounded-tokens", "1"], "--grounded-tokens 0 or >= 2"),
         (["bench", "peers", "--peers", "vllm"], "--peers among llama-cpp-python, llama-server"),
         (["generate", "hi", "--min-agreement", "0.9", "--threshold", "0.5"], "--threshold or --min-agreement, not both"),
         (["generate", "hi", "--min-agreement", "1.5"], "min_agreement must be in (0, 1]"),

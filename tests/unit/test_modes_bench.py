@@ -45,3 +45,14 @@ def test_a_decoding_speed_up_counts_on_whole_requests_only_past_the_prefill():
     # prefill is 60% of ar's time (cap 1/0.6): a 1.52x decoding bound is 1.16x on whole requests
     assert _whole(1.52, 1 / 0.6) == pytest.approx(1 / (0.6 + 0.4 / 1.52))
     assert _whole(1.0, 2.0) == pytest.approx(1.0) and _whole(1e9, 2.0) == pytest.approx(2.0)
+
+
+def test_answers_that_stop_at_eos_are_rated_by_their_own_tokens():
+    """Grounded answers run to their end (--grounded-tokens): a mode's runs may stop at different lengths, so each run
+    is rated by its own tokens and seconds (median over runs), served and in process."""
+    runs = [dict(_run(4.0, 40.0, 2.0, [[1]]), tokens=100, inproc_s=2.0, inproc_tokens=100),
+            dict(_run(3.0, 40.0, 2.0, [[1]]), tokens=90, inproc_s=3.0, inproc_tokens=90),
+            dict(_run(2.0, 40.0, 2.0, [[1]]), tokens=80, inproc_s=1.0, inproc_tokens=80)]
+    row = _rows({("grounded", 1, "ar"): runs}, caps={})[0]
+    assert row["served_tok_s"] == pytest.approx(30.0)  # 25, 30 and 40 tokens/s
+    assert row["inproc_tok_s"] == pytest.approx(50.0)  # 50, 30 and 80
