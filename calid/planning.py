@@ -280,6 +280,7 @@ class _Step:
                 self.lanes[d] += sign * k
 
     def seconds(self) -> float:
+        """Expected seconds of the step under the plan now held."""
         return self.setup + sum(self.draft(n) for n in self.lanes) + self._verification()(0)
 
     def rate(self) -> float:
@@ -371,9 +372,6 @@ class Forecast:
     plain_seconds: float
 
 
-PLAIN = Forecast(0.0, 0.0, 0.0)  # a step whose forecast is not known (its measures count, its forecasts do not)
-
-
 @dataclass
 class _Held:
     """How steps of one kind went against their forecasts: decayed sums of seconds taken and forecast, tokens
@@ -460,7 +458,7 @@ class StepGuard:
         self.overruled += not ok
         return ok
 
-    def observe(self, requests: int, depth: int, seconds: float, tokens: int, forecast: Forecast = PLAIN) -> None:
+    def observe(self, requests: int, depth: int, seconds: float, tokens: int, forecast: Forecast) -> None:
         """A whole step (planning, draft, verify, transport) that drafted ``depth`` deep (0: a plain step), forecast
         as ``forecast``, took ``seconds`` and produced ``tokens``."""
         if tokens <= 0 or seconds <= 0:
