@@ -201,14 +201,17 @@ class _WorkerBase:
     async def stats(self) -> dict:
         """Counters for tests, the demo and benches: batches run, the largest batch, live KV caches, and the
         runner's tokens fed and, of those, ids its cache did not hold (``recomputed_tokens``: new prompts and
-        caches lost to eviction), and prompt ids taken over from other sequences' caches (``reused_tokens``: live
-        sequences and llama.cpp's prompt cache); sharded replicas report none of these."""
+        caches lost to eviction), prompt ids taken over from other sequences' caches (``reused_tokens``: live
+        sequences and llama.cpp's prompt cache), its forwards and, on llama.cpp, the ubatches they ran as (each
+        reads every weight: more than one a forward means sequences of unequal length, or live sequences on
+        scattered slots; calid.runtime.llamacpp.ubatches); sharded replicas report none of these."""
         cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
         runner = getattr(getattr(self, "_runner", None), "stats", None)
         return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending,
                 "busy_s": self._busy_s, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
                 **({"tokens": runner.tokens, "recomputed_tokens": runner.recomputed_tokens,
-                     "reused_tokens": runner.reused_tokens} if runner else {})}
+                     "reused_tokens": runner.reused_tokens, "forwards": runner.forwards,
+                     "ubatches": runner.ubatches} if runner else {})}
 
     def _cached(self) -> int:
         return self._runner.cached_count()

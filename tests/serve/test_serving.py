@@ -116,6 +116,8 @@ def test_sixteen_concurrent_streams_are_correct_and_batched(small_app, local_eng
     assert target["max_batch"] > 1 and target["batches"] > before["batches"]  # ...and the target ran them in one forward
     assert router["target_fanout"] == 1  # one replica: one target call per step, whatever the requests
     assert target["batches"] - before["batches"] <= router["target_calls"]
+    forwards = target["forwards"] - before["forwards"]  # llama.cpp (SmolLM2's GGUF): each forward, one or more ubatches
+    assert 0 < forwards <= target["ubatches"] - before["ubatches"]
 
 
 @pytest.mark.parametrize("kw, field", [
