@@ -243,6 +243,12 @@ class LlamaCppRunner:
             self._trim(s, min(length, len(s.tokens)))
 
     def release(self, seq_id: Hashable) -> None:
+        self._release(seq_id)
+        self._pack()
+
+    def _release(self, seq_id: Hashable) -> None:
+        """Free a sequence's slot (or keep its stream for the prompt cache), leaving the others where they are: a
+        forward in progress has already placed their tokens by slot."""
         s = self._seqs.pop(seq_id, None)
         if s is None:
             return
@@ -287,6 +293,7 @@ class LlamaCppRunner:
         self._adopt(s, int(np.flatnonzero(tree.member[nodes[-1]])[0]) if nodes else tree.first)
         s.tokens += [tree.tokens[n] for n in nodes]
         self._trim(s, at + len(nodes))
+        self._pack()  # the adopted branch's slot may lie above freed ones
 
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
         """Feed each sequence's new tokens; logits [len(logits_at), V] per sequence.
@@ -428,7 +435,7 @@ class LlamaCppRunner:
         rc = self._lib.llama_decode(self._ctx, b)
         if rc != 0:
             for inp in inputs:  # the cache may hold part of this forward: forget these sequences
-                self.release(inp.seq_id)
+                self._release(inp.seq_id)
             raise LlamaCppError(f"llama_decode failed (code {rc}) on {len(entries)} tokens")
 
     def _logits(self, n: int) -> torch.Tensor:
@@ -478,6 +485,23 @@ class LlamaCppRunner:
         self._free.remove(slot)
         return slot
 
+    def _pack(self) -> None:
+        """Move live sequences down into free slots below them, highest first, so they stay side by side on the
+        low slots (_take_slot) as requests finish in any order: two one-token rows on slots 1 and 3 are two
+        ubatches, 147-153 ms a step for Qwen 1.5B on a 2-core Xeon, against 102 ms on slots 0 and 1. A move
+        copies the whole stream (tens of MB: a few ms, once), against that much every later step. Only between
+        forwards: a forward places its tokens by slot as it goes."""
+        for s in sorted(self._seqs.values(), key=lambda s: s.slot, reverse=True):
+            low = min(self._free, default=None)
+            if low is None or low > s.slot:
+                return
+            if s.tree is not None:  # its branches hold slots of their own until compact: leave it
+                continue
+            self._free.remove(low)
+            self._copy_stream(s.slot, low)
+            self._free_slot(s.slot)
+            s.slot = low
+
     def _free_slot(self, slot: int) -> None:
         self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
         self._free.append(slot)
@@ -511,7 +535,7 @@ class LlamaCppRunner:
     def _evict_one(self, pinned: set) -> bool:
         for seq_id, s in self._seqs.items():
             if seq_id not in pinned and s.tree is None:
-                self.release(seq_id)
+                self._release(seq_id)
                 self.evictions += 1
                 return True
         return False

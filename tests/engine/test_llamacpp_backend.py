@@ -397,6 +397,29 @@ def test_live_sequences_stay_on_adjacent_slots_so_a_decode_step_is_one_ubatch(ll
         r.close()
 
 
+@pytest.mark.parametrize("prompt_cache", [True, False])
+def test_sequences_that_outlive_others_move_down_beside_each_other_with_their_cache(ll, prompts, prompt_cache):
+    """Requests finish in any order; the ones still decoding move into the freed low slots (a copy of their
+    stream), so their next step is one ubatch again, and their logits are the ones they had before the move."""
+    runner = LlamaCppRunner(ll.runner.path, slots=6, exact=False, prompt_cache=prompt_cache)
+    alone = LlamaCppRunner(ll.runner.path, slots=6, exact=False, prompt_cache=False)
+    ids = ids_of(ll, prompts)
+    for r in (runner, alone):
+        for i, x in enumerate(ids):
+            r.forward([SeqInput(i, list(x))])
+    runner.release(0)  # the first two to start finish first
+    runner.release(1)
+    assert runner._seqs[2].slot == 0
+    before = runner.stats.ubatches
+    got = runner.forward([SeqInput(2, [42])])[0]
+    assert runner.stats.ubatches - before == 1
+    assert torch.equal(got, alone.forward([SeqInput(2, [42])])[0])
+    runner.forward([SeqInput("new", list(ids[0]))])  # a new request takes the next low slot
+    assert runner._seqs["new"].slot == 1
+    for r in (runner, alone):
+        r.close()
+
+
 def test_batched_mode_keeps_released_prompts_until_their_slots_are_needed(ll, prompts):
     """A prompt cache: a released sequence's stream stays in its slot; new sequences sharing its prefix (a chat's
     system prompt, a conversation's next turn) copy it and feed only the rest, with the logits a fresh prefill
