@@ -256,10 +256,7 @@ class LlamaCppRunner:
         if self.prompt_cache and len(s.tokens) >= MIN_BORROW:
             slot, top = s.slot, max(self._free, default=-1)
             if top > slot:  # kept streams gather on the high slots, out of the live sequences' run (_take_slot)
-                self._free.remove(top)
-                self._copy_stream(slot, top)
-                self._free_slot(slot)
-                slot = top
+                slot = self._move_stream(slot, top)
             self._kept[slot] = s.tokens  # until a new sequence takes its prefix or needs its slot
         else:
             self._free_slot(s.slot)
@@ -497,10 +494,14 @@ class LlamaCppRunner:
                 return
             if s.tree is not None:  # its branches hold slots of their own until compact: leave it
                 continue
-            self._free.remove(low)
-            self._copy_stream(s.slot, low)
-            self._free_slot(s.slot)
-            s.slot = low
+            s.slot = self._move_stream(s.slot, low)
+
+    def _move_stream(self, src: int, dst: int) -> int:
+        """Move slot ``src``'s stream to the free slot ``dst``, freeing ``src``; returns ``dst``."""
+        self._free.remove(dst)
+        self._copy_stream(src, dst)
+        self._free_slot(src)
+        return dst
 
     def _free_slot(self, slot: int) -> None:
         self._lib.llama_memory_seq_rm(self._mem, slot, -1, -1)
