@@ -292,7 +292,8 @@ class Orchestrator:
                          self._lookahead_gain.setdefault(rid, Gain()).mean,
                          tree.alpha if tree else None, decode.tree_width, decode.tree_chains,
                          ngram=len(copy.tokens), ngram_survival=tuple(copy.survival()),
-                         draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids) - self._draft_seen.get(rid, 0) - 1))
+                         draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids) - self._draft_seen.get(rid, 0) - 1),
+                         remaining=min(s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids)))
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:

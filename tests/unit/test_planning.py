@@ -4,7 +4,7 @@ import pytest
 import random
 
 from calid.planning import (AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, guard_bucket, plan_steps,
-                            split_cost, step_rate)
+                            NO_END, _Step, split_cost, step_rate, step_seconds)
 
 
 def table(points: dict[int, float]) -> CostTable:
@@ -167,29 +167,80 @@ def test_the_planner_prices_every_choice_by_slices_as_split_cost_does():
         reqs = [PlanInput(alpha=0.5, cap=0, **copy(rng.randint(0, 20), 0.9)) for _ in range(rng.randint(1, 12))]
         plan = [Choice("ngram", rng.randint(1, r.ngram)) if r.ngram else AR for r in reqs]
         fixed = rng.randint(0, 3)
-        tokens = sum(r.tokens(c) for r, c in zip(reqs, plan))
         lengths = [r.verified(c) for r, c in zip(reqs, plan)] + [1] * fixed
-        want = tokens / split_cost(lengths, QWEN_15B)
-        assert step_rate(plan, reqs, QWEN_15B, CostTable(), fixed, sliced=True) == pytest.approx(want)
+        want = split_cost(lengths, QWEN_15B)
+        assert step_seconds(plan, reqs, QWEN_15B, CostTable(), fixed, sliced=True) == pytest.approx(want)
         best = plan_steps(reqs, QWEN_15B, CostTable(), fixed, sliced=True)
         got = step_rate(best, reqs, QWEN_15B, CostTable(), fixed, sliced=True)
         assert got >= step_rate([AR] * len(reqs), reqs, QWEN_15B, CostTable(), fixed, sliced=True)
     lone = [PlanInput(alpha=0.5, cap=0, **copy(6, 0.9))] + [PlanInput(alpha=0.5, cap=0, **copy(4, 0.9))] * 3
     for c in (Choice("ngram", g) for g in range(1, 7)):  # the first request shorter than every other one
         plan = [c] + [Choice("ngram", 4)] * 3
-        want = sum(r.tokens(x) for r, x in zip(lone, plan)) / split_cost([1 + c.gamma] + [5] * 3, QWEN_15B)
-        assert step_rate(plan, lone, QWEN_15B, CostTable(), sliced=True) == pytest.approx(want)
+        want = split_cost([1 + c.gamma] + [5] * 3, QWEN_15B)
+        assert step_seconds(plan, lone, QWEN_15B, CostTable(), sliced=True) == pytest.approx(want)
 
 
-def test_one_long_copy_beside_plain_requests_is_not_drafted_where_the_batch_is_sliced():
-    """12 requests, one with a copy that has held for long: priced by its total (28 tokens, about 0.39 s) the
-    copy pays; priced as llama.cpp runs it (12 tokens, then 16: about 0.52 s) it does not. Alone, the same copy
-    is one slice and pays either way."""
-    reqs = [PlanInput(alpha=0.5, cap=0, **copy(16, 0.97))] + [PlanInput(alpha=0.5, cap=0)] * 11
-    assert plan_steps(reqs, QWEN_15B, CostTable())[0].mode == "ngram"
-    assert plan_steps(reqs, QWEN_15B, CostTable(), sliced=True) == [AR] * 12
-    assert plan_steps(reqs[:1], QWEN_15B, CostTable(), sliced=True) == plan_steps(reqs[:1], QWEN_15B, CostTable())
-    assert plan_steps(reqs[:1], QWEN_15B, CostTable(), sliced=True)[0].mode == "ngram"
+def test_one_long_copy_beside_plain_requests_pays_only_where_it_saves_whole_steps():
+    """12 requests, one with a copy that has held for long (about 14 tokens expected). Beside 11 requests as far
+    along as it, its tokens save only its row of later plain steps (about 7 ms a token here): not worth a 28-token
+    forward (0.39 s), still less 12 tokens then 16 as llama.cpp slices it (0.52 s). Where it is the request furthest
+    behind, they save steps it would decode alone (34 ms a token): the copy pays, even sliced. Alone, the copy is one
+    slice and pays either way."""
+    even = [PlanInput(alpha=0.5, cap=0, remaining=40, **copy(16, 0.97))] + [PlanInput(alpha=0.5, cap=0, remaining=40)] * 11
+    assert plan_steps(even, QWEN_15B, CostTable()) == [AR] * 12
+    assert plan_steps(even, QWEN_15B, CostTable(), sliced=True) == [AR] * 12
+    behind = [PlanInput(alpha=0.5, cap=0, remaining=48, **copy(16, 0.97))] + [PlanInput(alpha=0.5, cap=0, remaining=8)] * 11
+    assert plan_steps(behind, QWEN_15B, CostTable())[0].mode == "ngram"
+    assert plan_steps(behind, QWEN_15B, CostTable(), sliced=True)[0].mode == "ngram"
+    assert plan_steps(even[:1], QWEN_15B, CostTable(), sliced=True) == plan_steps(even[:1], QWEN_15B, CostTable())
+    assert plan_steps(even[:1], QWEN_15B, CostTable(), sliced=True)[0].mode == "ngram"
+
+
+def test_the_planner_values_each_choice_by_the_cost_to_go_of_the_whole_batch():
+    """The planner's incremental value (one request's options beside the others' choices) agrees with the cost to go
+    recomputed over the whole batch, for random batches with known and unknown ends, and its plan is no worse than
+    ar."""
+    rng = random.Random(11)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        reqs = [PlanInput(alpha=0.5, cap=0, remaining=rng.choice([None, rng.randint(1, 40)]),
+                          **copy(rng.randint(0, 12), 0.9)) for _ in range(n)]
+        plan = [Choice("ngram", rng.randint(1, r.ngram)) if r.ngram else AR for r in reqs]
+        fixed = rng.randint(0, 3)
+        rows = [CPU_LIKE(fixed + k) for k in range(n + 1)]
+        rows = [max(rows[: k + 1]) for k in range(n + 1)]
+        weights = [b - a for a, b in zip(rows, rows[1:])]
+
+        def togo(left):
+            return sum(x * w for x, w in zip(sorted(left, reverse=True), weights))
+        known = [r.remaining for r in reqs if r.remaining is not None]
+        start = [max(known, default=0) + NO_END if r.remaining is None else r.remaining for r in reqs]  # behind all
+        after = [max(0.0, x - r.tokens(c)) for x, r, c in zip(start, reqs, plan)]
+        saved = togo(start) - togo(after)
+        seconds = step_seconds(plan, reqs, CPU_LIKE, CostTable(), fixed)
+        assert step_rate(plan, reqs, CPU_LIKE, CostTable(), fixed) == pytest.approx(saved / seconds, rel=1e-6)
+        step = _Step(reqs, CPU_LIKE, CostTable(), fixed, plan)
+        for i, r in enumerate(reqs):  # each request's best option, priced incrementally, as the whole step prices it
+            assert step.choose(i, r.options(False)) == pytest.approx(step.rate(), rel=1e-9)
+        best = plan_steps(reqs, CPU_LIKE, CostTable(), fixed)
+        assert step_rate(best, reqs, CPU_LIKE, CostTable(), fixed) >= step_rate([AR] * n, reqs, CPU_LIKE, CostTable(),
+                                                                                 fixed) * (1 - 1e-12)
+
+
+def test_tokens_are_worth_the_plain_steps_they_save_in_a_batch_that_shrinks_as_requests_finish():
+    """4 requests as far along as each other on a compute-bound CPU: copies for all of them pay, the same copy for one
+    of them does not (it would finish early and leave the others decoding in smaller, dearer-per-token steps), and
+    for the one furthest behind it does. At one request the value is its tokens per second x a plain step."""
+    good = copy(6, 0.9)
+    together = [PlanInput(alpha=0.5, cap=0, remaining=40, **good) for _ in range(4)]
+    assert all(c.mode == "ngram" for c in plan_steps(together, CPU_LIKE, CostTable()))
+    one = [PlanInput(alpha=0.5, cap=0, remaining=40, **good)] + [PlanInput(alpha=0.5, cap=0, remaining=40)] * 3
+    assert plan_steps(one, CPU_LIKE, CostTable()) == [AR] * 4
+    last = [PlanInput(alpha=0.5, cap=0, remaining=40, **good)] + [PlanInput(alpha=0.5, cap=0, remaining=20)] * 3
+    assert plan_steps(last, CPU_LIKE, CostTable())[0].mode == "ngram"
+    alone, plan = together[:1], [Choice("ngram", 6)]
+    assert step_rate(plan, alone, CPU_LIKE, CostTable()) == pytest.approx(
+        alone[0].tokens(plan[0]) / step_seconds(plan, alone, CPU_LIKE, CostTable()) * CPU_LIKE(1))
 
 
 def test_where_the_batch_is_sliced_only_forwards_of_one_slice_are_timed():
