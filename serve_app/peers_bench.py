@@ -55,6 +55,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="trace prompts are cut to at most this")
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO: this x calid ar's TTFT and TPOT p50 at the "
                    "lowest concurrency")
+    p.add_argument("--plain-run-ms", type=float, default=None, help="override calid's plain_run_ms (0: one target step "
+                   "per call)")
     p.add_argument("--port", type=int, default=8093, help="HTTP port each server takes in turn")
     p.add_argument("--out", default="bench_results")
     p.set_defaults(func=run)
@@ -74,10 +76,14 @@ def run(args) -> int:
     sweep = sorted(set(parse_numbers(args.concurrency, int)))
     if any(m not in MODES for m in modes) or any(p not in PEERS for p in peers) or not sweep or min(sweep) < 1:
         raise CalidError(f"--modes among {', '.join(MODES)}, --peers among {', '.join(PEERS)}, --concurrency >= 1")
+    if (args.plain_run_ms or 0) < 0:
+        raise CalidError("--plain-run-ms takes milliseconds >= 0")
     modes = ["ar"] + [m for m in modes if m != "ar"]
     threads = args.threads or os.cpu_count() or 1
     cfg = (AppConfig.small if args.small else AppConfig)(grpc_port=_free_port(), http_port=args.port,
                                                          max_active=max(16, max(sweep)), worker_threads=threads)
+    if args.plain_run_ms is not None:
+        cfg = cfg.model_copy(update={"plain_run_ms": args.plain_run_ms})
     gguf = str(gguf_file(cfg.target, False))
     weight_bytes = open_model(cfg.target, log=lambda line: None, show_progress=False).decode_read_bytes
     bandwidth = memory_bandwidth_gbs()
