@@ -293,7 +293,7 @@ class Orchestrator:
                          tree.alpha if tree else None, decode.tree_width, decode.tree_chains,
                          ngram=len(copy.tokens), ngram_survival=tuple(copy.survival()),
                          draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids) - self._draft_seen.get(rid, 0) - 1),
-                         remaining=min(s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids)))
+                         remaining=self._tokens_left(s))
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
@@ -339,8 +339,7 @@ class Orchestrator:
         if k < 2:
             return 1
         for t, s in zip(tasks, states):
-            left = min(s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids))
-            t.steps = max(1, min(k, left))
+            t.steps = max(1, min(k, self._tokens_left(s)))
             t.stop_ids = frozenset() if s.req.params.ignore_eos else self.eos_ids
         return k
 
@@ -422,13 +421,16 @@ class Orchestrator:
     def _draft_budget(self, s: RequestState, gamma: int | None = None) -> int:
         """Most draft tokens worth proposing now: the step's gamma, the request's remaining budget, the context."""
         decode = self.decode_of(s)
-        return _budget(decode.mode, decode.gamma if gamma is None else gamma,
-                       s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids))
+        return _budget(decode.mode, decode.gamma if gamma is None else gamma, self._tokens_left(s))
+
+    def _tokens_left(self, s: RequestState) -> int:
+        """Tokens the request may still produce: its max_new_tokens less its output, or the context left."""
+        return min(s.req.params.max_new_tokens - len(s.output), self.max_position - len(s.token_ids))
 
     def round_budget(self, req: GenerationRequest, produced: int = 0) -> int:
         """Most draft tokens an edge client's next round may carry, ``produced`` tokens into the output."""
-        return _budget(req.decode.mode, req.decode.gamma, req.params.max_new_tokens - produced,
-                       self.max_position - len(req.prompt_ids) - produced)
+        return _budget(req.decode.mode, req.decode.gamma,
+                       min(req.params.max_new_tokens - produced, self.max_position - len(req.prompt_ids) - produced))
 
     @staticmethod
     def _adapt(s: RequestState, accepted: int, proposed: int) -> None:
@@ -438,8 +440,7 @@ class Orchestrator:
         s.set_threshold(min(0.99, max(0.0, s.threshold + step)))
 
 
-def _budget(mode: str, gamma: int, tokens_left: int, context_left: int) -> int:
-    left = min(tokens_left, context_left)
+def _budget(mode: str, gamma: int, left: int) -> int:
     spare = left if mode == "filter" else left - 1  # verifying modes add a target token
     return max(0, min(gamma, spare))
 
