@@ -301,6 +301,15 @@ class AppConfig(BaseModel):
         return cls(**{"target": TEST_MODEL, "draft": "self:16", "kv_budget_mb": 512, **overrides})
 
 
+def with_plain_run_ms(cfg: AppConfig, ms: float | None) -> AppConfig:
+    """``cfg`` with a bench's ``--plain-run-ms`` in place of its plain_run_ms (None: as configured)."""
+    if ms is None:
+        return cfg
+    if ms < 0:
+        raise CalidError("--plain-run-ms takes milliseconds >= 0")
+    return cfg.model_copy(update={"plain_run_ms": ms})
+
+
 def reasons(e: ValidationError) -> str:
     """A validation error on one line: each failed field and why."""
     def one(err) -> str:

@@ -65,10 +65,10 @@ def _options(args):
     sweep = parse_numbers(args.concurrency, int)
     if any(m not in MODES for m in modes) or any(w not in WORKLOADS for w in workloads) or not workloads:
         raise CalidError(f"--modes takes modes among {', '.join(MODES)}; --workloads among {', '.join(WORKLOADS)}")
-    if (not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2 or (args.plain_run_ms or 0) < 0
+    if (not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2
             or args.grounded_tokens < 0 or 0 < args.grounded_tokens < 2):
         raise CalidError("--concurrency takes counts >= 1, --rounds >= 1, --max-new-tokens >= 2, --grounded-tokens 0 "
-                         "or >= 2 and --plain-run-ms >= 0")
+                         "or >= 2")
     return ["ar"] + [m for m in modes if m != "ar"], workloads, sorted(set(sweep))
 
 
@@ -82,7 +82,7 @@ def run(args) -> int:
     from calid.engine import Engine
     from calid.progress import progress
     from calid.text import encode_prompt
-    from serve_app.config import AppConfig
+    from serve_app.config import AppConfig, with_plain_run_ms
     from serve_app.local import serve_app, shutdown
 
     modes, workloads, sweep = _options(args)
@@ -92,8 +92,7 @@ def run(args) -> int:
     cfg = base(grpc_port=args.port, http_port=0, max_active=top, queue_capacity=max(64, top), prompt_cache=False)
     if args.batch_invariant is not None:
         cfg = cfg.model_copy(update={"batch_invariant": args.batch_invariant == "on"})
-    if args.plain_run_ms is not None:
-        cfg = cfg.model_copy(update={"plain_run_ms": args.plain_run_ms})
+    cfg = with_plain_run_ms(cfg, args.plain_run_ms)
     target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant,
                         prompt_cache=cfg.prompt_cache)
     draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant,

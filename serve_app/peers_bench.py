@@ -69,21 +69,18 @@ def run(args) -> int:
     from calid.bench.report import parse_numbers, write_report
     from calid.decoding.modes import MODES
     from calid.errors import CalidError
-    from serve_app.config import AppConfig
+    from serve_app.config import AppConfig, with_plain_run_ms
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     sweep = sorted(set(parse_numbers(args.concurrency, int)))
     if any(m not in MODES for m in modes) or any(p not in PEERS for p in peers) or not sweep or min(sweep) < 1:
         raise CalidError(f"--modes among {', '.join(MODES)}, --peers among {', '.join(PEERS)}, --concurrency >= 1")
-    if (args.plain_run_ms or 0) < 0:
-        raise CalidError("--plain-run-ms takes milliseconds >= 0")
     modes = ["ar"] + [m for m in modes if m != "ar"]
     threads = args.threads or os.cpu_count() or 1
     cfg = (AppConfig.small if args.small else AppConfig)(grpc_port=_free_port(), http_port=args.port,
                                                          max_active=max(16, max(sweep)), worker_threads=threads)
-    if args.plain_run_ms is not None:
-        cfg = cfg.model_copy(update={"plain_run_ms": args.plain_run_ms})
+    cfg = with_plain_run_ms(cfg, args.plain_run_ms)
     gguf = str(gguf_file(cfg.target, False))
     weight_bytes = open_model(cfg.target, log=lambda line: None, show_progress=False).decode_read_bytes
     bandwidth = memory_bandwidth_gbs()
