@@ -21,6 +21,11 @@ LOOPBACK_ENV = {
     # threads; measured at one request in flight (Qwen 1.5B ar, 128 tokens), the controller's CPU fell from
     # 0.71 s to 0.22 s and the GCS's from 0.34 s to 0.11 s; autoscaling still decides 4 times per metrics push
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # Serve's own metrics (request counts, queue lengths) pushed to Ray's metrics every 1 s instead of 0.1 s,
+    # still well inside a dashboard's scrape interval: measured here with the Qwen pair served and idle, every
+    # replica's and the proxy's CPU fell by a quarter to a half, Ray's processes in all from 2.52 s to 1.99 s
+    # of CPU per 20 s (on 2 cores, background CPU is time stolen from the model's threads)
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     # calls between deployments over Serve's direct gRPC channel instead of Ray actor calls: measured here,
     # a router -> target call's transport (call time - forward time) fell from 6.5 ms to 3.1 ms
     SERVE_GRPC_ENV: "1",
