@@ -324,22 +324,22 @@ class Orchestrator:
     def lengthen_plain_steps(self, tasks: list[VerifyTask], budget_s: float) -> int:
         """Where every task of this step is a plain decode step (ar, or auto planned as ar; no draft, past its
         prefill), let the target run up to k of them in the one call: k as many forwards of this batch as fit in
-        ``budget_s`` by the measured cost table, at most MAX_RUN_STEPS, each request's run cut to its tokens and
-        context left and ended by its EOS. A caller whose every call has a round trip (the router: ~4-7 ms of
-        transport and Python on a 2-core CPU, against a 37 ms Qwen 1.5B step) pays it once per run instead of
-        once per token; the tokens are the same, they arrive k at a time, and a request arriving meanwhile
-        waits for the run (at most ``budget_s``). Returns k (1: single steps)."""
+        ``budget_s`` by the measured cost table, at most MAX_RUN_STEPS and at most the tokens and context any of
+        the requests has left (a request that ends in a run would wait for the others' steps to hear its last
+        tokens), each request's run ended by its EOS. A caller whose every call has a round trip (the router: a
+        few ms of transport and Python on a 2-core CPU, each step) pays it once per run instead of once per
+        token; the tokens are the same, they arrive k at a time. Returns k (1: single steps)."""
         if budget_s <= 0 or not tasks or not self.verify_cost.known:
             return 1
         states = [self.active.get(t.request_id) for t in tasks]
         if any(s is None or s.prefilling or not s.stats.target_calls or t.draft or t.tree is not None
                or t.decode.mode != "ar" or t.audit_from is not None for t, s in zip(tasks, states)):
             return 1
-        k = min(MAX_RUN_STEPS, int(budget_s / self.verify_cost(len(tasks))))
+        k = min(MAX_RUN_STEPS, int(budget_s / self.verify_cost(len(tasks))), *map(self._tokens_left, states))
         if k < 2:
             return 1
         for t, s in zip(tasks, states):
-            t.steps = max(1, min(k, self._tokens_left(s)))
+            t.steps = k
             t.stop_ids = frozenset() if s.req.params.ignore_eos else self.eos_ids
         return k
 

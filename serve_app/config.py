@@ -130,11 +130,11 @@ class AppConfig(BaseModel):
     kv_budget_mb: int | None = Field(2048, ge=1)
     max_forward_tokens: int | None = Field(256, ge=1, description="SARATHI: token budget of one target forward; "
                                            "long prompts are prefilled in chunks beside the running decodes")
-    plain_run_ms: float = Field(150.0, ge=0, description="a step where every request decodes plain (ar, or auto "
+    plain_run_ms: float = Field(1000.0, ge=0, description="a step where every request decodes plain (ar, or auto "
                                 "where drafting does not pay) runs as many target forwards in one call as fit in "
-                                "this (at most 8): the router's round trip (~4-7 ms on a 2-core CPU) is paid once per "
-                                "run, tokens stream a run at a time, and a request arriving meanwhile waits for it. "
-                                "0: one token per call")
+                                "this (at most 8): the router's round trip and its per-call work are paid once per "
+                                "run, and tokens stream a run at a time; a request arriving meanwhile ends the run "
+                                "after its current forward. 0: one token per call")
     request_timeout_s: float = Field(600.0, gt=0)
     worker_call_retries: int = Field(8, ge=0, description="retries of a failed draft/target call (backoff 0.2 s doubling, at most 2 s; ~11 s in all, enough for a replica restart) before UNAVAILABLE")
     router_num_cpus: float = Field(0.1, ge=0)

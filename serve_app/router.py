@@ -118,6 +118,7 @@ class Router:
         self._slo = {True: 0, False: 0}  # finished requests that met / missed the model's SLO
         self._step_s = 0.0  # time in steps (the rest of it is spent in worker calls: stats()["call_s"])
         self._max_escalation = 0
+        self._in_runs: set[str | None] = set()  # target replicas running this step's runs of plain steps
         self._calibrated = False
         self.call_overhead_s: dict[str, float] = {}  # a no-op call's round trip per worker role, at calibration
         self._draft_probe: asyncio.Task | None = None
@@ -308,7 +309,16 @@ class Router:
             self._waiting.append(req.request_id)
             self._ensure_loop()
             self._wake.set()
+            if len(self.orch.active) < self.cfg.max_active:  # it can start with the next forward
+                self._cut_runs()
         return r
+
+    def _cut_runs(self) -> None:
+        """A request arrived while the target runs a run of plain steps: have the run end after its current
+        step, so that the new request starts with the next forward instead of waiting out the run."""
+        for where in self._in_runs:
+            self.target.cut_runs.remote(replica=where)  # fire and forget: a late cut only shortens the next run
+        self._in_runs = set()
 
     def _full(self) -> bool:
         # the bound holds whatever the step loop is doing: slots fill only between steps, so a burst
@@ -440,11 +450,15 @@ class Router:
         events, verify = self.orch.after_draft(states, drafts)
         self._deliver(events)
         if verify and not edge and not self._waiting:  # a request waiting for a slot would wait out the run
-            self.orch.lengthen_plain_steps(verify, self.cfg.plain_run_ms / 1000)
+            if self.orch.lengthen_plain_steps(verify, self.cfg.plain_run_ms / 1000) > 1:
+                self._in_runs = {self.calls.replica_of("target", t.request_id) for t in verify}
         if verify:
             self._max_escalation = max(self._max_escalation, len(verify))
             self._metrics.escalation_batch.observe(len(verify))
-            results, failed = await self.calls.call("target", verify)
+            try:
+                results, failed = await self.calls.call("target", verify)
+            finally:
+                self._in_runs = set()
             states = self._drop_failed(states, failed)
             if all(s.stats.target_calls for s in states) and not failed:  # decode steps only: a prefill's size is unknown here
                 for replica, group, reply, seconds in self.calls.timed["target"]:  # each replica's forward, on its own

@@ -47,6 +47,11 @@ class _Batcher:
         self._waiting: list[tuple[list, asyncio.Future]] = []
         self._busy = False
 
+    @property
+    def busy(self) -> bool:
+        """A forward is running (a call submitted now waits for the next one)."""
+        return self._busy
+
     async def submit(self, tasks: list) -> list:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -290,6 +295,8 @@ class TargetDeployment(_WorkerBase):
         out = await super().stats()
         if self.cfg.sharded:  # what each shard holds: stage, tensor rank, layers, weight bytes
             out["shards"] = self.worker.holdings
+        else:  # runs of plain steps ended early by an arriving request (cut_runs)
+            out["runs_cut"] = self.worker.runs_cut
         return out
 
     async def shard_pids(self) -> list[int]:
@@ -299,8 +306,21 @@ class TargetDeployment(_WorkerBase):
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.pids)
 
     async def verify(self, tasks: list, report: dict | None = None, replica: str | None = None) -> Reply:
-        """``replica``: as in ``draft``."""
+        """``replica``: as in ``draft``. A call that finds a forward running (another router's) ends that
+        forward's runs of plain steps after their current step, so that it joins the next forward at once."""
+        if self._batcher.busy:
+            self._cut_runs()
         return await self._call(tasks, report)
+
+    async def cut_runs(self, replica: str | None = None) -> None:
+        """End the runs of plain steps this replica is running after their current step (the router asks this
+        when a request arrives during a run; calid.workers.TargetWorker.cut_runs). A sharded replica's shards
+        run theirs to the end. ``replica``: as in ``draft``."""
+        self._cut_runs()
+
+    def _cut_runs(self) -> None:
+        if not self.cfg.sharded:
+            self.worker.cut_runs()
 
     async def _forward(self, calls: list[list]) -> list[list]:
         return await self._run_batch(self.worker.verify, calls)

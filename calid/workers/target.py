@@ -16,6 +16,7 @@ output n-grams (shared across requests, or one per request).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Hashable
 
@@ -63,6 +64,8 @@ class TargetWorker:
         self._global = LookaheadTrie(self.lookahead_cfg)
         self._tries: dict[Hashable, LookaheadTrie] = {}
         self._trie_seen: dict[Hashable, int] = {}  # ids of a request already in its trie
+        self._cut = threading.Event()  # cut_runs() was called since the last verify ended
+        self.runs_cut = 0  # verifies whose runs of plain steps a cut ended early
 
     # ---- lookahead trie lifecycle ------------------------------------------------
 
@@ -122,7 +125,19 @@ class TargetWorker:
 
     # ---- one batched verification --------------------------------------------------
 
+    def cut_runs(self) -> None:
+        """End the runs of plain steps of the verify in progress (or of the next verify, if none is running)
+        after their current step: their requests get the tokens made so far, and the caller's next call can
+        take new work at once. Thread-safe."""
+        self._cut.set()
+
     def verify(self, tasks: list[VerifyTask]) -> list[VerifyResult]:
+        try:
+            return self._verify(tasks)
+        finally:
+            self._cut.clear()
+
+    def _verify(self, tasks: list[VerifyTask]) -> list[VerifyResult]:
         if not tasks:
             return []
         require_full_ids(tasks)
@@ -132,7 +147,7 @@ class TargetWorker:
                                  f"{t.decode.mode!r} with a draft (runs are for ar steps only)")
         cap = self.runner.max_sequences
         if cap is not None and len(tasks) > cap:
-            return [r for i in range(0, len(tasks), cap) for r in self.verify(tasks[i : i + cap])]
+            return [r for i in range(0, len(tasks), cap) for r in self._verify(tasks[i : i + cap])]
         trees = {}
         for t in tasks:
             if t.decode.mode == "lookahead":
@@ -157,10 +172,11 @@ class TargetWorker:
         """Runs of plain steps: a task with ``steps`` > 1 whose token is not a stop id goes on, fed the token it
         just picked, until it has ``steps`` tokens or picks a stop id; the runs step together, one forward a
         token. Each step is the ar step the caller would have sent next (same rows, same generator stream), so
-        the tokens are those of as many single calls, without a round trip between them."""
+        the tokens are those of as many single calls, without a round trip between them. ``cut_runs`` ends the
+        runs early, after the step in progress."""
         results = list(results)
         going = [i for i, (t, r) in enumerate(zip(tasks, results)) if _runs_on(t, r)]
-        while going:
+        while going and not self._cut.is_set():
             now = [replace(tasks[i], token_ids=tasks[i].token_ids + results[i].tokens, rng=results[i].rng)
                    for i in going]
             out = self.runner.forward([self._chain_input(t) for t in now])
@@ -169,6 +185,7 @@ class TargetWorker:
                 results[i] = replace(results[i], tokens=results[i].tokens + v.tokens, rng=v.rng, top1=v.top1,
                                      forwards=results[i].forwards + 1)
             going = [i for i in going if _runs_on(tasks[i], results[i])]
+        self.runs_cut += bool(going)
         return results
 
     def _plan_chunks(self, tasks: list[VerifyTask], trees: dict) -> dict[Hashable, int]:

@@ -268,6 +268,54 @@ def test_a_run_of_plain_steps_gives_the_tokens_of_single_steps(ll, prompts, samp
     assert ll.runner.cached_count() == 0
 
 
+def test_a_cut_ends_a_run_after_its_current_step_and_only_that_run(ll, prompts):
+    """TargetWorker.cut_runs (a request arrived at the router during a run): the run in progress stops after
+    the forward it is in, with the tokens of as many single steps; the next verify runs its full length. A cut
+    made while no verify runs shortens the next run to its first step."""
+    from calid.workers import TargetWorker
+    from calid.workers.messages import VerifyTask
+
+    worker, ids = TargetWorker(ll.runner), ids_of(ll, prompts[:1])[0]
+    warp = SamplingParams(max_new_tokens=N).warp
+    forward = ll.runner.forward
+    cut_at = {"n": None, "forwards": 0}
+
+    def counting_forward(inputs):  # the real forward; the cut lands while the given one runs
+        cut_at["forwards"] += 1
+        if cut_at["forwards"] == cut_at["n"]:
+            worker.cut_runs()
+        return forward(inputs)
+
+    def call(key, out, steps, cut_on=None):
+        cut_at.update(n=cut_on, forwards=0)
+        r = worker.verify([VerifyTask(key, ids + out, len(ids), DecodeParams(mode="ar"), warp, 0, [], steps=steps)])[0]
+        return out + r.tokens, r.forwards
+
+    single = []
+    for _ in range(13):
+        single, _ = call("single", single, 1)
+    worker.runner = _Forwarding(ll.runner, counting_forward)
+    out, _ = call("cut", [], 1)  # the prefill
+    out, forwards = call("cut", out, 8, cut_on=3)
+    assert forwards == 3 and out == single[:4] and worker.runs_cut == 1
+    out, forwards = call("cut", out, 8)
+    assert forwards == 8 and out == single[:12] and worker.runs_cut == 1
+    worker.cut_runs()  # between calls: the next run takes one step
+    out, forwards = call("cut", out, 8)
+    assert forwards == 1 and out == single[:13] and worker.runs_cut == 2
+    worker.release(["single", "cut"])
+
+
+class _Forwarding:
+    """A runner whose forward is ``forward``; everything else is ``runner``'s."""
+
+    def __init__(self, runner, forward):
+        self._runner, self.forward = runner, forward
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+
 def test_llamacpp_draft_for_a_torch_target(smol, ll_draft, prompts):
     """The reverse pairing: torch target (fp32), draft on llama.cpp (the same model quantized)."""
     tgt = open_model(TEST_MODEL, backend="torch", dtype="fp32", **QUIET)

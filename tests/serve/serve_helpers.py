@@ -104,6 +104,9 @@ class StandIn:
     def sent(self, method: str, call: Call) -> None:
         """Every call made, as the caller holds it (override to record)."""
 
+    async def _cut_runs(self):
+        """A target's cut_runs: a stand-in runs each call in one go, so there is no run in progress to cut."""
+
     def __getattr__(self, method):
         if method.startswith("_"):
             raise AttributeError(method)

@@ -92,6 +92,24 @@ def test_plain_decoding_runs_several_target_steps_a_call_with_the_same_tokens(cl
     assert 2 <= calls <= len(want.output_ids) // 2
 
 
+def test_a_request_arriving_during_a_run_of_plain_steps_cuts_the_run(client, local_engine, smol):
+    """A request that arrives while the target runs a run of plain steps ends the run after its current
+    forward (the router's cut_runs), so it starts with the next forward instead of waiting out the run; both
+    streams carry the tokens of single steps. The arrival has to land inside a run: tried up to 5 times."""
+    want = _local(local_engine, smol.tokenizer, PROMPTS[:2], "ar", 40)
+    target = handle("calid", "target")
+    before = target.stats.remote().result()["runs_cut"]
+    for _ in range(5):
+        stream = client.stream(PROMPTS[0], max_new_tokens=40, mode="ar")
+        first = [next(stream) for _ in range(3)]  # past its prefill: its steps now go in runs
+        second = client.generate(PROMPTS[1], max_new_tokens=40, mode="ar")
+        assert [t for c in first + list(stream) for t in c.token_ids] == want[0].output_ids
+        assert second.token_ids == want[1].output_ids
+        if target.stats.remote().result()["runs_cut"] > before:
+            break
+    assert target.stats.remote().result()["runs_cut"] > before
+
+
 def test_sixteen_concurrent_streams_are_correct_and_batched(small_app, local_engine, smol):
     from calid.client import AsyncClient
 

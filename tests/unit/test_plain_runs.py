@@ -48,15 +48,19 @@ def test_plain_decode_steps_run_as_many_forwards_as_fit_the_budget():
     assert orch.lengthen_plain_steps(tasks, 10.0) == MAX_RUN_STEPS
 
 
-def test_a_run_is_cut_to_each_requests_tokens_and_context_left_and_ignore_eos_drops_the_stop():
-    orch = _orchestrator(step_s=0.010, max_position=12)
-    short = _start(orch, "short", max_new_tokens=3)  # 1 produced, 2 left
-    near = _start(orch, "near", prompt=tuple(range(10, 19)))  # 10 ids of 12 positions
+def test_a_run_ends_with_the_fewest_tokens_or_context_any_request_has_left_and_ignore_eos_drops_the_stop():
+    """A request that ends within a run would hear its last tokens only when the others' steps are done."""
+    orch = _orchestrator(step_s=0.010, max_position=16)
     free = _start(orch, "free", ignore_eos=True)
-    tasks = _tasks(orch, [short, near, free])
-    assert orch.lengthen_plain_steps(tasks, 0.150) > 2
-    assert [t.steps for t in tasks] == [2, 2, MAX_RUN_STEPS]
-    assert tasks[2].stop_ids == frozenset()
+    tasks = _tasks(orch, [free, _start(orch, "long")])
+    assert orch.lengthen_plain_steps(tasks, 0.150) == MAX_RUN_STEPS
+    assert tasks[0].stop_ids == frozenset() and tasks[1].stop_ids == {EOS}
+    for other in (_start(orch, "short", max_new_tokens=4),  # 1 produced, 3 left
+                  _start(orch, "near", prompt=tuple(range(10, 22)))):  # 13 ids of 16 positions: 3 left
+        tasks = _tasks(orch, [free, other])
+        assert orch.lengthen_plain_steps(tasks, 0.150) == 3
+        assert [t.steps for t in tasks] == [3, 3]
+        orch.finish(other.req.request_id)
 
 
 @pytest.mark.parametrize("case", ["draft mode", "prefilling", "first call", "no costs", "no budget", "slow step"])
