@@ -87,3 +87,20 @@ def test_a_runs_tokens_are_appended_until_the_request_ends_and_count_as_target_f
     assert s.output == [9, 4, 7, 8]
     assert s.finish_reason == "stop"
     assert s.stats.target_calls == 1 + 4
+
+
+def test_an_auto_request_runs_at_most_the_steps_it_made_since_it_last_drafted():
+    """A run cannot take an n-gram copy that turns up meanwhile: auto requests that drafted lately run short."""
+    orch = _orchestrator(step_s=0.010)
+    plain, auto = _start(orch, "ar"), _start(orch, "auto", mode="auto")
+    for i in range(9):  # 10 tokens out, none repeating: no n-gram copy, so the planner plans it plain
+        orch.after_verify([VerifyResult("auto", [100 + i], 0, 0, False)])
+
+    def run(states):
+        orch.draft_tasks(states)  # the planner's step
+        return orch.lengthen_plain_steps(_tasks(orch, states), 10.0)
+
+    assert run([plain, auto]) == MAX_RUN_STEPS
+    orch._drafted_at["auto"] = len(auto.output) - 3  # as _plan records a drafting choice, 3 tokens ago
+    assert run([plain, auto]) == 3
+    assert run([plain]) == MAX_RUN_STEPS
