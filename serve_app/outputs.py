@@ -3,9 +3,11 @@
 The router's step loop puts a request's StreamEvents on its queue; this turns them into ``Output``s, the
 unit every front-end translates (gRPC chunks or responses, OpenAI SSE chunks or JSON), and adds what the
 step loop does not make: log-probabilities (one target ``score`` call over the new tokens, on the replica
-that holds the request's cache) and, with echo, the prompt's. A stream gets an Output per event; a
-non-stream call one Output with everything (and one score call). A Failure ends the sequence; ``IDLE``
-says nothing happened for ``idle_s`` (SSE keep-alives).
+that holds the request's cache) and, with echo, the prompt's. A stream gets an Output per burst: the events
+queued when it reads (a target call's run of plain steps, a step's accepted draft) go out as one chunk, not one
+message per token through the front-end and Serve's proxy; a non-stream call one Output with everything (and
+one score call). A Failure ends the sequence (a stream's tokens queued ahead of it go out first); ``IDLE`` says
+nothing happened for ``idle_s`` (SSE keep-alives).
 """
 from __future__ import annotations
 
@@ -71,12 +73,14 @@ async def outputs(router, r, stream: bool, idle_s: float | None = None):
             yield item
             continue
         if isinstance(item, Failure):
+            if stream and pending.token_ids:  # tokens queued ahead of the failure still reach the client
+                yield pending
             yield item
             return
         pending.text += item.text
         pending.token_ids += item.token_ids
         ids += item.token_ids
-        if stream or item.result is not None:
+        if item.result is not None or (stream and r.events.empty()):  # a stream: one Output per burst
             if r.logprobs is not None and pending.token_ids:
                 scored = await _score(router, r, ids, len(ids) - len(pending.token_ids))
                 if isinstance(scored, Failure):

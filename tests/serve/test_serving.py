@@ -81,7 +81,8 @@ def test_stream_chunks_add_up_to_the_whole_output(client):
 
 def test_plain_decoding_runs_several_target_steps_a_call_with_the_same_tokens(client, local_engine, smol):
     """ar past its prefill: the router has the target run several steps a call (plain_run_ms), so the round trip
-    is paid once per run; the stream carries exactly the tokens of one step a call (the in-process engine's)."""
+    is paid once per run; the stream carries exactly the tokens of one step a call (the in-process engine's), a
+    chunk per call at most (a run's tokens go out together, not a message per token)."""
     want = _local(local_engine, smol.tokenizer, PROMPTS[:1], "ar", 40)[0]
     before = handle("calid", "target").stats.remote().result()
     chunks = list(client.stream(PROMPTS[0], max_new_tokens=40, mode="ar"))
@@ -90,6 +91,7 @@ def test_plain_decoding_runs_several_target_steps_a_call_with_the_same_tokens(cl
     assert "".join(c.text for c in chunks) == want.text and chunks[-1].finish_reason == want.finish_reason
     assert chunks[-1].stats["target_calls"] == want.stats.target_calls  # forwards, however many a call ran
     assert 2 <= calls <= len(want.output_ids) // 2
+    assert len(chunks) <= calls
 
 
 def test_a_request_arriving_during_a_run_of_plain_steps_cuts_the_run(client, local_engine, smol):

@@ -1,0 +1,73 @@
+"""serve_app.outputs: what a front-end reads for one request, from the events the step loop queues (by hand:
+a stand-in router whose event feed reads the request's queue as the router's does)."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+
+from calid.generation import DecodeStats, GenerationResult, StreamEvent
+from serve_app.calls import Failure
+from serve_app.outputs import Output, outputs
+
+
+class _Router:
+    async def _events(self, r, idle_s=None):
+        while True:
+            item = await r.events.get()
+            yield item
+            if isinstance(item, Failure) or item.result is not None:
+                return
+
+
+def _request() -> SimpleNamespace:
+    req = SimpleNamespace(request_id="r", prompt_ids=[1, 2])
+    return SimpleNamespace(req=req, events=asyncio.Queue(), echo=False, score_only=False, logprobs=None)
+
+
+def _event(token: int, last: bool = False) -> StreamEvent:
+    result = GenerationResult("r", 2, [], "", "length", 0.0, 0.0, DecodeStats()) if last else None
+    return StreamEvent("r", f"<{token}>", [token], result)
+
+
+def _read(feed, stream: bool) -> list:
+    """Outputs of a request whose events ``feed`` puts on its queue in bursts (a list per burst, with a pause
+    between bursts for the reader to catch up)."""
+    async def main():
+        r, got = _request(), []
+
+        async def producer():
+            for burst in feed:
+                for item in burst:
+                    r.events.put_nowait(item)
+                await asyncio.sleep(0.01)
+
+        task = asyncio.get_running_loop().create_task(producer())
+        async for out in outputs(_Router(), r, stream=stream):
+            got.append(out)
+        await task
+        return got
+
+    return asyncio.run(main())
+
+
+def test_a_stream_sends_each_burst_of_events_as_one_output():
+    """A target call's run of plain steps queues its tokens at once: they go out as one chunk, not a message per
+    token through the front-end and the proxy; the request's last event closes the last chunk."""
+    got = _read([[_event(5), _event(6), _event(7)], [_event(8)], [_event(9), _event(10, last=True)]], stream=True)
+    assert [o.token_ids for o in got] == [[5, 6, 7], [8], [9, 10]]
+    assert [o.text for o in got] == ["<5><6><7>", "<8>", "<9><10>"]
+    assert [o.result is not None for o in got] == [False, False, True]
+
+
+def test_tokens_queued_ahead_of_a_failure_reach_the_stream_before_it():
+    failure = Failure(grpc.StatusCode.UNAVAILABLE, "target lost")
+    got = _read([[_event(5)], [_event(6), _event(7), failure]], stream=True)
+    assert [o.token_ids for o in got[:-1]] == [[5], [6, 7]] and got[-1] is failure
+
+
+def test_a_call_without_stream_gets_one_output_with_everything():
+    got = _read([[_event(5), _event(6)], [_event(7, last=True)]], stream=False)
+    assert len(got) == 1 and isinstance(got[0], Output)
+    assert got[0].token_ids == [5, 6, 7] and got[0].result is not None
