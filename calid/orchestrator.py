@@ -342,14 +342,21 @@ class Orchestrator:
         if any(s is None or s.prefilling or not s.stats.target_calls or t.draft or t.tree is not None
                or t.decode.mode != "ar" or t.audit_from is not None for t, s in zip(tasks, states)):
             return 1
-        k = min(MAX_RUN_STEPS, int(budget_s / self.verify_cost(len(tasks))), *map(self._tokens_left, states),
-                *(len(s.output) - self._drafted_at.get(s.req.request_id, 0) for s in states if s.req.decode.mode == "auto"))
+        k = min(MAX_RUN_STEPS, int(budget_s / self.verify_cost(len(tasks))), *map(self._run_room, states))
         if k < 2:
             return 1
         for t, s in zip(tasks, states):
             t.steps = k
             t.stop_ids = frozenset() if s.req.params.ignore_eos else self.eos_ids
         return k
+
+    def _run_room(self, s: RequestState) -> int:
+        """Most plain steps ``s`` may take in a run: its tokens (or context) left, and for auto the steps it has
+        made since it last planned a draft."""
+        room = self._tokens_left(s)
+        if s.req.decode.mode == "auto":
+            room = min(room, len(s.output) - self._drafted_at.get(s.req.request_id, 0))
+        return room
 
     def _pend_audit(self, s: RequestState, d: DraftResult, unaudited: dict[int, float]) -> None:
         """Remember the confidence of each draft token this step appends (or sends to the target), to be
