@@ -3,8 +3,8 @@
 Side by side in one run, same prompts, greedy, fixed output length (EOS ignored; ``--grounded-tokens N``: grounded
 answers run to their end, at most N tokens, since a refactor's answer is the whole function): for each workload,
 concurrency C and mode, a burst of C requests through gRPC + Ray Serve and the same C requests through
-the in-process ``Engine`` (batch C), alternating which goes first, repeated ``--rounds`` times (the
-median counts: the machine is shared and noisy). Workloads:
+the in-process ``Engine`` (batch C), alternating which goes first, repeated ``--rounds`` times, the modes in
+reverse order every other round (the median counts: the machine is shared and noisy, and drifts). Workloads:
   humaneval  "complete this function" prompts: free-form generation, little to copy;
   grounded   refactors of HumanEval's reference functions and summaries of XSum articles that quote
              them: answers that copy their input, where n-gram drafts cost no model time.
@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "tpot_ms", "decode_vs_ar", "prefill_cap",
-           "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "draft_share", "guard_plain",
-           "same_as_ar", "filter_cap"]
+COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "rounds_vs_ar", "tpot_ms", "decode_vs_ar",
+           "prefill_cap", "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "draft_share",
+           "guard_plain", "same_as_ar", "filter_cap"]
 WORKLOADS = ("humaneval", "grounded")
 
 
@@ -132,7 +132,7 @@ def run(args) -> int:
                     for c in sweep:
                         prompts = texts[w][:c]
                         ids = [encode_prompt(target.tokenizer, t) for t in prompts]
-                        for mode in modes:
+                        for mode in _round_order(modes, rnd):
                             samples.setdefault((w, c, mode), []).append(
                                 _point(cfg, address, engine, mode, prompts, ids, *lengths[w], rnd % 2 == 1))
                             bar.update(1)
@@ -156,6 +156,8 @@ def run(args) -> int:
             "ngram_bound": {w: f"{b.ratio:.2f}x ({b.copied}/{b.tokens} tokens copied)" for w, b in bounds.items()}}
     notes = [
         "served_vs_ar / inproc_vs_ar: tokens/s relative to ar at the same workload and concurrency (median of rounds)",
+        "rounds_vs_ar: served tokens/s of each round over ar's in the same round (minutes apart): the spread of one "
+        "reading on this machine",
         "tpot_ms / decode_vs_ar: the server's mean time per output token after a request's first (from its own "
         "ttft and total times), and ar's over this mode's: decoding alone, what drafting speeds up",
         "prefill_cap: ar's burst time / the time its last request got its first token: what any mode could gain "
@@ -188,6 +190,13 @@ def run(args) -> int:
     print(_verdict(rows, modes, bounds), file=sys.stderr)
     print(f"wrote {js} and {md}", file=sys.stderr)
     return 0
+
+
+def _round_order(modes: list[str], rnd: int) -> list[str]:
+    """The modes in round ``rnd``'s order: reversed every other round. A burst at c12 takes about a minute and this
+    machine's speed drifts through a run (ar's burst read 58.8, 63.0 and 68.3 s in one session, an auto burst
+    between each): in a fixed order the mode that runs after ar pays every round's drift."""
+    return modes if rnd % 2 == 0 else modes[::-1]
 
 
 def _lengths_text(lengths: dict, workloads: list[str]) -> str:
@@ -271,13 +280,16 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
                "serving_ms_per_step": med("serving_ms_per_step"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
-               "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"]}
+               "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"],
+               "_rates": [r["tokens"] / r["served_s"] for r in runs]}
         row["served_vs_inproc"] = row["served_tok_s"] / row["inproc_tok_s"]
         rows.append(row)
     ar = {(r["workload"], r["concurrency"]): r for r in rows if r["mode"] == "ar"}
     for r in rows:
         base = ar[(r["workload"], r["concurrency"])]
         r["served_vs_ar"] = r["served_tok_s"] / base["served_tok_s"]
+        # each round's ratio to ar's run of the same round, run minutes apart: how far one reading moves here
+        r["rounds_vs_ar"] = " ".join(f"{a / b:.2f}" for a, b in zip(r["_rates"], base["_rates"]))
         r["inproc_vs_ar"] = r["inproc_tok_s"] / base["inproc_tok_s"]
         r["decode_vs_ar"] = base["tpot_ms"] / r["tpot_ms"] if r["tpot_ms"] > 0 else float("nan")
         # ar's burst took _burst_s, its last first token came at _first_tokens_s: with free decoding a burst
@@ -286,7 +298,7 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
         same = sum(a == b for a, b in zip(r["_outputs"], base["_outputs"]))
         r["same_as_ar"] = f"{same}/{len(base['_outputs'])}"
     for r in rows:
-        for key in ("_outputs", "_burst_s", "_first_tokens_s"):
+        for key in ("_outputs", "_burst_s", "_first_tokens_s", "_rates"):
             del r[key]
     return rows
 
@@ -312,7 +324,8 @@ def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None) -> 
         if goal is not None:
             ok = r["served_vs_ar"] >= goal
             line = (f"{r['workload']} c{r['concurrency']} {r['mode']}: {r['served_vs_ar']:.2f}x ar served "
-                    f"(target >= {goal}: {'met' if ok else 'missed'}); decoding alone {r['decode_vs_ar']:.2f}x ar; "
+                    f"(target >= {goal}: {'met' if ok else 'missed'}; by round {r['rounds_vs_ar']}); "
+                    f"decoding alone {r['decode_vs_ar']:.2f}x ar; "
                     f"whole requests cannot beat ar by more than {r['prefill_cap']:.2f}x here (prefill)")
             if r["mode"] == "filter" and isinstance(r["filter_cap"], float):
                 line += f"; cap on this machine {r['filter_cap']:.2f}x"

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.modes_bench import _rows, _tpot_ms, _verdict
+from serve_app.modes_bench import _round_order, _rows, _tpot_ms, _verdict
 
 
 def _run(served_s, tpot_ms, first_tokens_s, outputs, drafted=0):
@@ -30,13 +30,15 @@ def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
     assert ar["served_vs_ar"] == 1.0 and ar["decode_vs_ar"] == 1.0
     assert auto["served_vs_ar"] == pytest.approx(4.0 / 3.0)
     assert auto["decode_vs_ar"] == pytest.approx(2.0)
+    # each round against ar's run of the same round: 4.0 / 3.0, 4.2 / 3.0 and 3.8 / 3.0 seconds
+    assert auto["rounds_vs_ar"] == "1.33 1.40 1.27" and ar["rounds_vs_ar"] == "1.00 1.00 1.00"
     assert auto["prefill_cap"] == pytest.approx(2.0) and ar["prefill_cap"] == pytest.approx(2.0)
     assert auto["same_as_ar"] == "1/1" and lossy["same_as_ar"] == "0/1"
     assert auto["draft_share"] == pytest.approx(30 / 48)
     assert not any(k.startswith("_") for r in rows.values() for k in r)  # working values stay out of the report
     verdict = _verdict(list(rows.values()), ["ar", "auto", "filter"])
-    assert "grounded c1 auto: 1.33x ar served (target >= 1.3: met); decoding alone 2.00x ar; " \
-           "whole requests cannot beat ar by more than 2.00x here (prefill)" in verdict
+    assert "grounded c1 auto: 1.33x ar served (target >= 1.3: met; by round 1.33 1.40 1.27); " \
+           "decoding alone 2.00x ar; whole requests cannot beat ar by more than 2.00x here (prefill)" in verdict
 
 
 def test_a_decoding_speed_up_counts_on_whole_requests_only_past_the_prefill():
@@ -56,3 +58,11 @@ def test_answers_that_stop_at_eos_are_rated_by_their_own_tokens():
     row = _rows({("grounded", 1, "ar"): runs}, caps={})[0]
     assert row["served_tok_s"] == pytest.approx(30.0)  # 25, 30 and 40 tokens/s
     assert row["inproc_tok_s"] == pytest.approx(50.0)  # 50, 30 and 80
+
+
+def test_modes_run_in_reverse_order_every_other_round():
+    """A machine that slows (or speeds up) through a run must not always charge its drift to the modes after ar."""
+    modes = ["ar", "auto", "filter"]
+    assert _round_order(modes, 0) == modes and _round_order(modes, 2) == modes
+    assert _round_order(modes, 1) == ["filter", "auto", "ar"]
+    assert modes == ["ar", "auto", "filter"]  # the caller's list is left as it was
