@@ -274,14 +274,15 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
     rows = []
     for (w, c, mode), runs in samples.items():
         med = lambda key: statistics.median(r[key] for r in runs) if all(key in r for r in runs) else float("nan")
-        row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": _median_rate(runs, "tokens", "served_s"),
+        rates = [r["tokens"] / r["served_s"] for r in runs]  # served tokens/s of each round
+        row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": statistics.median(rates),
                "tpot_ms": med("tpot_ms"), "_burst_s": med("served_s"), "_first_tokens_s": med("first_tokens_s"),
                "inproc_tok_s": _median_rate(runs, "inproc_tokens", "inproc_s"),
                "serving_ms_per_step": med("serving_ms_per_step"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
                "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"],
-               "_rates": [r["tokens"] / r["served_s"] for r in runs]}
+               "_rates": rates}
         row["served_vs_inproc"] = row["served_tok_s"] / row["inproc_tok_s"]
         rows.append(row)
     ar = {(r["workload"], r["concurrency"]): r for r in rows if r["mode"] == "ar"}

@@ -73,7 +73,8 @@ async def outputs(router, r, stream: bool, idle_s: float | None = None):
             yield item
             continue
         if isinstance(item, Failure):
-            if stream and pending.token_ids:  # tokens queued ahead of the failure still reach the client
+            # tokens queued ahead of the failure still reach a stream's client, scored as asked if that works
+            if stream and pending.token_ids and not isinstance(await _add_logprobs(router, r, ids, pending), Failure):
                 yield pending
             yield item
             return
@@ -81,17 +82,26 @@ async def outputs(router, r, stream: bool, idle_s: float | None = None):
         pending.token_ids += item.token_ids
         ids += item.token_ids
         if item.result is not None or (stream and r.events.empty()):  # a stream: one Output per burst
-            if r.logprobs is not None and pending.token_ids:
-                scored = await _score(router, r, ids, len(ids) - len(pending.token_ids))
-                if isinstance(scored, Failure):
-                    yield scored
-                    return
-                pending.logprobs = scored
+            failed = await _add_logprobs(router, r, ids, pending)
+            if failed is not None:
+                yield failed
+                return
             pending.result = item.result
             yield pending
             if item.result is not None:
                 return
             pending = Output()
+
+
+async def _add_logprobs(router, r, ids: list[int], pending: Output) -> Failure | None:
+    """Score ``pending``'s tokens (the last of ``ids``) into it, if ``r`` asked for log-probabilities."""
+    if r.logprobs is None or not pending.token_ids:
+        return None
+    scored = await _score(router, r, ids, len(ids) - len(pending.token_ids))
+    if isinstance(scored, Failure):
+        return scored
+    pending.logprobs = scored
+    return None
 
 
 async def _score(router, r, ids: list[int], start: int) -> list[pb.TokenLogprob] | Failure:

@@ -3,16 +3,31 @@ a stand-in router whose event feed reads the request's queue as the router's doe
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import grpc
 
 from calid.generation import DecodeStats, GenerationResult, StreamEvent
+from calid.workers.messages import ScoreResult
 from serve_app.calls import Failure
 from serve_app.outputs import Output, outputs
 
 
 class _Router:
+    """Its target scores a token id t at log-probability -t."""
+
+    def __init__(self):
+        self.cfg = SimpleNamespace(worker_call_timeout_s=5.0)
+        self.calls = SimpleNamespace(replica_of=lambda role, request_id: None)
+        self.scored: list[list[int]] = []  # the ids each score call was asked to score
+        self.target = SimpleNamespace(score=SimpleNamespace(remote=self._score))
+
+    async def _score(self, tasks, replica=None):
+        (t,) = tasks
+        self.scored.append(t.token_ids[t.start:])
+        return [ScoreResult(t.request_id, [-float(i) for i in t.token_ids[t.start:]], [[] for _ in t.token_ids[t.start:]])]
+
     async def _events(self, r, idle_s=None):
         while True:
             item = await r.events.get()
@@ -21,9 +36,10 @@ class _Router:
                 return
 
 
-def _request() -> SimpleNamespace:
+def _request(logprobs: int | None = None) -> SimpleNamespace:
     req = SimpleNamespace(request_id="r", prompt_ids=[1, 2])
-    return SimpleNamespace(req=req, events=asyncio.Queue(), echo=False, score_only=False, logprobs=None)
+    return SimpleNamespace(req=req, events=asyncio.Queue(), echo=False, score_only=False, logprobs=logprobs,
+                           deadline=time.monotonic() + 60)
 
 
 def _event(token: int, last: bool = False) -> StreamEvent:
@@ -31,11 +47,11 @@ def _event(token: int, last: bool = False) -> StreamEvent:
     return StreamEvent("r", f"<{token}>", [token], result)
 
 
-def _read(feed, stream: bool) -> list:
+def _read(feed, stream: bool, router: _Router | None = None, logprobs: int | None = None) -> list:
     """Outputs of a request whose events ``feed`` puts on its queue in bursts (a list per burst, with a pause
     between bursts for the reader to catch up)."""
     async def main():
-        r, got = _request(), []
+        r, got = _request(logprobs), []
 
         async def producer():
             for burst in feed:
@@ -44,7 +60,7 @@ def _read(feed, stream: bool) -> list:
                 await asyncio.sleep(0.01)
 
         task = asyncio.get_running_loop().create_task(producer())
-        async for out in outputs(_Router(), r, stream=stream):
+        async for out in outputs(router or _Router(), r, stream=stream):
             got.append(out)
         await task
         return got
@@ -71,3 +87,11 @@ def test_a_call_without_stream_gets_one_output_with_everything():
     got = _read([[_event(5), _event(6)], [_event(7, last=True)]], stream=False)
     assert len(got) == 1 and isinstance(got[0], Output)
     assert got[0].token_ids == [5, 6, 7] and got[0].result is not None
+
+
+def test_tokens_queued_ahead_of_a_failure_carry_their_logprobs():
+    """A request that asked for log-probabilities gets them on every token it is sent, the failure path too."""
+    router, failure = _Router(), Failure(grpc.StatusCode.UNAVAILABLE, "draft lost")
+    got = _read([[_event(5)], [_event(6), _event(7), failure]], stream=True, router=router, logprobs=0)
+    assert router.scored == [[5], [6, 7]]
+    assert [[lp.logprob for lp in o.logprobs] for o in got[:-1]] == [[-5.0], [-6.0, -7.0]] and got[-1] is failure
