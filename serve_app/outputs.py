@@ -73,8 +73,8 @@ async def outputs(router, r, stream: bool, idle_s: float | None = None):
             yield item
             continue
         if isinstance(item, Failure):
-            # tokens queued ahead of the failure still reach a stream's client, scored as asked if that works
-            if stream and pending.token_ids and not isinstance(await _add_logprobs(router, r, ids, pending), Failure):
+            if stream and pending.token_ids:  # tokens queued ahead of the failure still reach the client,
+                await _add_logprobs(router, r, ids, pending)  # scored as asked if that still works
                 yield pending
             yield item
             return

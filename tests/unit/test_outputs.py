@@ -17,7 +17,8 @@ from serve_app.outputs import Output, outputs
 class _Router:
     """Its target scores a token id t at log-probability -t."""
 
-    def __init__(self):
+    def __init__(self, scoring_fails: bool = False):
+        self.scoring_fails = scoring_fails
         self.cfg = SimpleNamespace(worker_call_timeout_s=5.0)
         self.calls = SimpleNamespace(replica_of=lambda role, request_id: None)
         self.scored: list[list[int]] = []  # the ids each score call was asked to score
@@ -25,6 +26,8 @@ class _Router:
 
     async def _score(self, tasks, replica=None):
         (t,) = tasks
+        if self.scoring_fails:
+            raise ConnectionError("target replica lost")
         self.scored.append(t.token_ids[t.start:])
         return [ScoreResult(t.request_id, [-float(i) for i in t.token_ids[t.start:]], [[] for _ in t.token_ids[t.start:]])]
 
@@ -95,3 +98,11 @@ def test_tokens_queued_ahead_of_a_failure_carry_their_logprobs():
     got = _read([[_event(5)], [_event(6), _event(7), failure]], stream=True, router=router, logprobs=0)
     assert router.scored == [[5], [6, 7]]
     assert [[lp.logprob for lp in o.logprobs] for o in got[:-1]] == [[-5.0], [-6.0, -7.0]] and got[-1] is failure
+
+
+def test_tokens_queued_ahead_of_a_failure_reach_the_stream_even_if_scoring_them_fails():
+    """Nothing the request produced is lost: where their log-probabilities cannot be had any more (the target
+    went with the failure), the tokens still go out, without them, and then the failure."""
+    failure = Failure(grpc.StatusCode.UNAVAILABLE, "target lost")
+    got = _read([[_event(6), _event(7), failure]], stream=True, router=_Router(scoring_fails=True), logprobs=0)
+    assert [o.token_ids for o in got[:-1]] == [[6, 7]] and got[0].logprobs == [] and got[-1] is failure
