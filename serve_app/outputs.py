@@ -108,7 +108,9 @@ async def _score(router, r, ids: list[int], start: int) -> list[pb.TokenLogprob]
     """Log-probabilities of ``ids[start:]`` from a target replica (the one holding ``r``'s cache, if any)."""
     task = ScoreTask(r.req.request_id, ids, start, r.logprobs or 0)
     replica = router.calls.replica_of("target", r.req.request_id)
-    timeout = min(router.cfg.worker_call_timeout_s, max(0.0, r.deadline - time.monotonic()))
+    timeout = min(router.cfg.worker_call_timeout_s, r.deadline - time.monotonic())
+    if timeout <= 0:  # past its deadline: no call the replica would work on only for it to be cancelled
+        return Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "scoring log-probabilities did not finish in time")
     try:
         result = (await asyncio.wait_for(router.target.score.remote([task], replica=replica), timeout))[0]
     except asyncio.TimeoutError:

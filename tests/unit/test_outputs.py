@@ -22,13 +22,17 @@ class _Router:
         self.cfg = SimpleNamespace(worker_call_timeout_s=5.0)
         self.calls = SimpleNamespace(replica_of=lambda role, request_id: None)
         self.scored: list[list[int]] = []  # the ids each score call was asked to score
-        self.target = SimpleNamespace(score=SimpleNamespace(remote=self._score))
+        self.target = SimpleNamespace(score=SimpleNamespace(remote=self._remote))
 
-    async def _score(self, tasks, replica=None):
+    def _remote(self, tasks, replica=None):
+        """Like a Serve handle's ``.remote``, the call is issued here, before anything awaits its result."""
         (t,) = tasks
+        self.scored.append(t.token_ids[t.start:])
+        return self._score(t)
+
+    async def _score(self, t):
         if self.scoring_fails:
             raise ConnectionError("target replica lost")
-        self.scored.append(t.token_ids[t.start:])
         return [ScoreResult(t.request_id, [-float(i) for i in t.token_ids[t.start:]], [[] for _ in t.token_ids[t.start:]])]
 
     async def _events(self, r, idle_s=None):
@@ -39,10 +43,10 @@ class _Router:
                 return
 
 
-def _request(logprobs: int | None = None) -> SimpleNamespace:
+def _request(logprobs: int | None = None, left_s: float = 60.0) -> SimpleNamespace:
     req = SimpleNamespace(request_id="r", prompt_ids=[1, 2])
     return SimpleNamespace(req=req, events=asyncio.Queue(), echo=False, score_only=False, logprobs=logprobs,
-                           deadline=time.monotonic() + 60)
+                           deadline=time.monotonic() + left_s)
 
 
 def _event(token: int, last: bool = False) -> StreamEvent:
@@ -50,11 +54,12 @@ def _event(token: int, last: bool = False) -> StreamEvent:
     return StreamEvent("r", f"<{token}>", [token], result)
 
 
-def _read(feed, stream: bool, router: _Router | None = None, logprobs: int | None = None) -> list:
+def _read(feed, stream: bool, router: _Router | None = None, logprobs: int | None = None,
+          left_s: float = 60.0) -> list:
     """Outputs of a request whose events ``feed`` puts on its queue in bursts (a list per burst, with a pause
     between bursts for the reader to catch up)."""
     async def main():
-        r, got = _request(logprobs), []
+        r, got = _request(logprobs, left_s), []
 
         async def producer():
             for burst in feed:
@@ -105,4 +110,13 @@ def test_tokens_queued_ahead_of_a_failure_reach_the_stream_even_if_scoring_them_
     went with the failure), the tokens still go out, without them, and then the failure."""
     failure = Failure(grpc.StatusCode.UNAVAILABLE, "target lost")
     got = _read([[_event(6), _event(7), failure]], stream=True, router=_Router(scoring_fails=True), logprobs=0)
+    assert [o.token_ids for o in got[:-1]] == [[6, 7]] and got[0].logprobs == [] and got[-1] is failure
+
+
+def test_a_request_past_its_deadline_asks_no_replica_to_score_its_last_tokens():
+    """A timed-out request's queued tokens still go out, without log-probabilities: a score call for it would
+    only be cancelled at once, after the target replica had taken it on."""
+    router, failure = _Router(), Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "request_timeout_s")
+    got = _read([[_event(6), _event(7), failure]], stream=True, router=router, logprobs=0, left_s=-1.0)
+    assert router.scored == []
     assert [o.token_ids for o in got[:-1]] == [[6, 7]] and got[0].logprobs == [] and got[-1] is failure
