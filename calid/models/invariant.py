@@ -39,6 +39,7 @@ MAX_ROWS = 256  # probed GEMMs: at most this many rows per call (the probe cover
 PROBE_ROWS = tuple(range(2, 33)) + (33, 48, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256)
 ROW_LIMITS = (256, 128, 64, 32, 16, 8)  # the max_rows a probed shape may get, largest first
 PROBE_TRIALS = 3  # GEMMs of other rows per probed M above 32 (on AMX, where oneDNN's bf16 kernel changes)
+PROBE_COVER = 128  # and at every M, GEMMs enough to check at least this many rows
 
 
 class InvariantLinear(nn.Linear):
@@ -82,8 +83,10 @@ def max_invariant_rows(weight: torch.Tensor, seed: int = 0) -> int:
 
     A kernel that accumulates in another order shows only where a row's sum lands near a bf16 rounding
     boundary (a few rows in a hundred), so each GEMM takes other rows, in another order, from a pool whose
-    2-row bits are computed once, and every M above 32 is tried PROBE_TRIALS times: a kernel change at some
-    M then shows in at least one of them."""
+    2-row bits are computed once, and every M is tried on at least PROBE_COVER rows (PROBE_TRIALS GEMMs above
+    32): a kernel change at some M then shows in at least one of them. One GEMM per small M was not enough:
+    on an AVX-512 CPU without native bf16, oneDNN's bf16 GEMMs of 4-8 rows give a 576 x 576 weight's rows
+    other bits now and then, and a single GEMM of each missed it."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     pool = torch.randn(MAX_ROWS, weight.shape[1], generator=g).to(weight.device, weight.dtype)
     with torch.inference_mode():
@@ -92,8 +95,8 @@ def max_invariant_rows(weight: torch.Tensor, seed: int = 0) -> int:
             return 0
         good = 1
         for m in PROBE_ROWS:
-            tries = (torch.randperm(MAX_ROWS, generator=g)[:m].to(weight.device)
-                     for _ in range(PROBE_TRIALS if m > 32 else 1))
+            calls = max(PROBE_TRIALS if m > 32 else 1, -(-PROBE_COVER // m))
+            tries = (torch.randperm(MAX_ROWS, generator=g)[:m].to(weight.device) for _ in range(calls))
             if not all(torch.equal(F.linear(pool.index_select(0, rows), weight), pairs.index_select(0, rows))
                        for rows in tries):
                 break
