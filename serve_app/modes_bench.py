@@ -274,7 +274,7 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
     rows = []
     for (w, c, mode), runs in samples.items():
         med = lambda key: statistics.median(r[key] for r in runs) if all(key in r for r in runs) else float("nan")
-        rates = [r["tokens"] / r["served_s"] for r in runs]  # served tokens/s of each round
+        rates = _rates(runs, "tokens", "served_s")  # served tokens/s of each round
         row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": statistics.median(rates),
                "tpot_ms": med("tpot_ms"), "_burst_s": med("served_s"), "_first_tokens_s": med("first_tokens_s"),
                "inproc_tok_s": _median_rate(runs, "inproc_tokens", "inproc_s"),
@@ -304,11 +304,17 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
     return rows
 
 
-def _median_rate(runs: list[dict], tokens: str, seconds: str) -> float:
-    """The median over runs of tokens / seconds (runs that stop at EOS may differ in tokens; nan if not timed)."""
+def _rates(runs: list[dict], tokens: str, seconds: str) -> list[float]:
+    """Each run's tokens / seconds (runs that stop at EOS may differ in tokens; [] if a run was not timed)."""
     if not all(seconds in r for r in runs):
-        return float("nan")
-    return statistics.median(r.get(tokens, r["tokens"]) / r[seconds] for r in runs)
+        return []
+    return [r.get(tokens, r["tokens"]) / r[seconds] for r in runs]
+
+
+def _median_rate(runs: list[dict], tokens: str, seconds: str) -> float:
+    """The median over runs of tokens / seconds (nan if a run was not timed)."""
+    rates = _rates(runs, tokens, seconds)
+    return statistics.median(rates) if rates else float("nan")
 
 
 def _whole(decoding: float, prefill_cap: float) -> float:

@@ -109,12 +109,13 @@ async def _score(router, r, ids: list[int], start: int) -> list[pb.TokenLogprob]
     task = ScoreTask(r.req.request_id, ids, start, r.logprobs or 0)
     replica = router.calls.replica_of("target", r.req.request_id)
     timeout = min(router.cfg.worker_call_timeout_s, r.deadline - time.monotonic())
+    late = Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "scoring log-probabilities did not finish in time")
     if timeout <= 0:  # past its deadline: no call the replica would work on only for it to be cancelled
-        return Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "scoring log-probabilities did not finish in time")
+        return late
     try:
         result = (await asyncio.wait_for(router.target.score.remote([task], replica=replica), timeout))[0]
     except asyncio.TimeoutError:
-        return Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "scoring log-probabilities did not finish in time")
+        return late
     except Exception as e:  # a lost replica: the request's text is fine, but its logprobs cannot be had now
         return Failure(grpc.StatusCode.UNAVAILABLE, f"scoring log-probabilities failed: {e!r}")
     return [pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
