@@ -13,9 +13,12 @@ its arrival gaps, prompt and output lengths; prompts cut from HumanEval's text t
 as raw completions) at --trace-rate times the request rate calid ar sustained at the sweep's top
 concurrency. Per server, mode and load: output tokens/s, TTFT p50/p99, TPOT p50, the share of requests
 within an SLO (--slo-scale x calid ar's TTFT and TPOT p50 at the lowest concurrency), and each one's ratio to
-calid ar at the same load; a PNG of throughput vs concurrency; the CPU flags and the bandwidth limit. Tokens
-are counted from the usage a server reports at the end of a stream (stream_options.include_usage), else one
-per streamed chunk.
+calid ar at the same load; a PNG of throughput vs concurrency; the CPU flags and the bandwidth limit. With
+--rounds N the whole sweep runs N times, every server started afresh each round and the servers in reverse order
+every other round (this machine's speed drifts over minutes): tokens/s is the median of the rounds, its ratio
+the median of each round's ratio to calid ar in the same round, and the latencies pool every round's requests.
+Tokens are counted from the usage a server reports at the end of a stream (stream_options.include_usage), else
+one per streamed chunk.
 A server that cannot start is reported with the reason, and the others still run.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pathlib import Path
 from calid.bench.load import DEFAULT_TRACE
 
 COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "tok_s_vs_calid_ar",
-           "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met", "limit_tok_s"]
+           "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met", "limit_tok_s"]
 PEERS = ("llama-cpp-python", "llama-server")
 
 
@@ -45,9 +48,12 @@ def add_parser(sub) -> None:
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated among {', '.join(PEERS)}")
     p.add_argument("--concurrency", default="1,4,8,16", help="closed-loop client counts")
     p.add_argument("--requests", type=int, default=0, help="requests per point (default: 2 x concurrency, >= 4)")
+    p.add_argument("--rounds", type=int, default=1, help="repeats of the sweep, servers in reverse order every other "
+                   "round (medians reported; the trace replay runs in the first round only)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads of every server (default: all cores)")
-    p.add_argument("--llama-server", default=shutil.which("llama-server"), help="llama-server binary (default: on PATH)")
+    p.add_argument("--llama-server", default=shutil.which("llama-server"),
+                   help="llama-server binary (default: on PATH)")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV to replay ('' : no replay)")
     p.add_argument("--trace-rate", type=float, default=0.5, help="replay rate, in multiples of the request rate "
                    "calid ar sustains at the sweep's top concurrency (default 0.5)")
@@ -76,6 +82,8 @@ def run(args) -> int:
     sweep = sorted(set(parse_numbers(args.concurrency, int)))
     if any(m not in MODES for m in modes) or any(p not in PEERS for p in peers) or not sweep or min(sweep) < 1:
         raise CalidError(f"--modes among {', '.join(MODES)}, --peers among {', '.join(PEERS)}, --concurrency >= 1")
+    if args.rounds < 1:
+        raise CalidError("--rounds takes a count >= 1")
     modes = ["ar"] + [m for m in modes if m != "ar"]
     threads = args.threads or os.cpu_count() or 1
     cfg = (AppConfig.small if args.small else AppConfig)(grpc_port=_free_port(), http_port=args.port,
@@ -87,43 +95,49 @@ def run(args) -> int:
     limit = decode_limit_tok_s(bandwidth, weight_bytes)
     prompts = humaneval_prompts()  # every point takes the next ones: a prompt never repeats within a server's run
     print(f"bench peers: {cfg.target} ({Path(gguf).name}), {threads} threads; calid modes {modes}; peers {peers}; "
-          f"concurrency {sweep}; {args.max_new_tokens} new tokens, greedy; {cpu_summary()}; decode limit "
-          f"{limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)", file=sys.stderr)
-    runs, skipped = [], []
+          f"concurrency {sweep}; {args.rounds} round(s); {args.max_new_tokens} new tokens, greedy; {cpu_summary()}; "
+          f"decode limit {limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)",
+          file=sys.stderr)
+    runs, skipped = [], {}
     url = f"http://127.0.0.1:{args.port}/v1"
     replay = None
-    for mode in modes:  # a fresh server per mode: the modes take the same prompts, and a mode after the first
-        with _calid(cfg):  # would answer from what the one before left in the prompt cache (auto: TTFT 69 ms, not 1.2 s)
-            runs += _sweep(url, cfg.target, "calid", mode, sweep, prompts, args)
-            if mode == "ar" and args.trace:  # the replay's rate follows what calid ar sustained
-                replay = _replay_plan(args, cfg.target, runs[-1][3])
-            if replay:
-                runs.append(_replay(url, cfg.target, "calid", mode, replay))
-    for peer in peers:
-        try:
-            with _peer(peer, gguf, threads, args.port, max(sweep), args.llama_server, cfg.target):
-                runs += _sweep(url, cfg.target, peer, "ar", sweep, prompts, args)
-                if replay:
-                    runs.append(_replay(url, cfg.target, peer, "ar", replay))
-        except PeerUnavailable as e:
-            skipped.append(f"{peer}: {e}")
-            print(f"bench peers: {peer} not run: {e}", file=sys.stderr)
+    per_round = sum(args.requests or max(4, 2 * c) for c in sweep)
+    for rnd in range(args.rounds):
+        # a fresh server per mode and round: the modes take the same prompts, and a mode after the first would
+        # answer from what the one before left in the prompt cache (auto: TTFT 69 ms, not 1.2 s)
+        servers = [("calid", m) for m in modes] + [(p, "ar") for p in peers if p not in skipped]
+        # every round takes the next prompts (no server answers from a prompt cache); one round's servers the same
+        start = 1 + rnd * per_round % (len(prompts) - 1)
+        batch = prompts[:1] + prompts[start:] + prompts[1:start]
+        for server, mode in servers if rnd % 2 == 0 else servers[::-1]:
+            try:
+                with _calid(cfg) if server == "calid" else _peer(server, gguf, threads, args.port, max(sweep),
+                                                                args.llama_server, cfg.target):
+                    runs += [(*run, rnd) for run in _sweep(url, cfg.target, server, mode, sweep, batch, args)]
+                    if rnd == 0 and (server, mode) == ("calid", "ar") and args.trace:  # calid ar runs first
+                        replay = _replay_plan(args, cfg.target, runs[-1][3])  # its rate follows what ar sustained
+                    if rnd == 0 and replay:
+                        runs.append((*_replay(url, cfg.target, server, mode, replay), rnd))
+            except PeerUnavailable as e:
+                skipped[server] = str(e)
+                print(f"bench peers: {server} not run: {e}", file=sys.stderr)
     rows, slo = _rows(runs, args.slo_scale, limit)
     meta = {"model": cfg.target, "gguf": Path(gguf).name, "threads": threads, "cpu": cpu_summary(),
             "bandwidth_GBps": round(bandwidth, 1), "new_tokens": args.max_new_tokens,
-            "slo": f"TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.0f} ms",
+            "rounds": args.rounds, "slo": f"TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.0f} ms",
             **({"replay": f"{replay.name}: {len(replay.trace)} requests at {replay.rate:.3f}/s ({args.trace_rate:g} x "
                           f"calid ar's {replay.capacity:.3f}/s), {replay.mean_prompt:.0f} prompt / "
                           f"{replay.mean_output:.0f} output tokens on average"} if replay else {})}
-    notes = ["tok_s: output tokens of all requests / wall time of the point (first send to last token); c<N>: N "
-             "clients in a closed loop (each sends its next request when the last one ends); trace: the Azure "
-             "trace replayed open-loop (each request sent at its arrival time); tok_s_vs_calid_ar: ratio to calid "
-             "ar at the same load",
+    notes = ["tok_s: output tokens of all requests / wall time of the point (first send to last token), median of "
+             "the rounds; c<N>: N clients in a closed loop (each sends its next request when the last one ends); "
+             "trace: the Azure trace replayed open-loop (each request sent at its arrival time; first round only); "
+             "tok_s_vs_calid_ar: median of rounds_vs_calid_ar, each round's ratio to calid ar at the same load in "
+             "that round (servers in reverse order every other round)",
              "TTFT: send to first streamed token; TPOT: (last - first token) / (tokens - 1), per request; slo_met: "
              f"share of requests with TTFT and TPOT within the SLO ({args.slo_scale:g} x calid ar's p50 at "
              f"c{sweep[0]})",
              f"limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
-    notes += [f"not run: {s}" for s in skipped]
+    notes += [f"not run: {peer}: {why}" for peer, why in skipped.items()]
     name = f"peers-{'small' if args.small else 'qwen'}"
     js, md = write_report(Path(args.out), name, "calid vs the servers a user would pick instead (one OpenAI client)",
                           meta, rows, COLUMNS, notes)
@@ -291,22 +305,33 @@ def _say(server: str, mode: str, where: str, outs: list) -> None:
 
 
 def _rows(runs: list, slo_scale: float, limit: float) -> tuple[list[dict], object]:
-    """One row per run, scored against an SLO of ``slo_scale`` x calid ar's TTFT and TPOT p50 at the lowest
-    concurrency; each row's throughput as a ratio to calid ar's at the same load."""
+    """One row per server, mode and load, from runs (server, mode, load, outcomes, round), scored against an SLO
+    of ``slo_scale`` x calid ar's TTFT and TPOT p50 at the lowest concurrency (its requests of every round).
+    tok_s: the median of the rounds; its ratio: the median of each round's ratio to calid ar's in that round;
+    latencies and counts: every round's requests together."""
     from calid.bench import load
 
-    low = next(outs for server, mode, _, outs in runs if (server, mode) == ("calid", "ar"))
-    base = load.score(low, load.Slo(float("inf"), float("inf")))
+    def tok_s(outs):
+        return load.score(outs, load.Slo(float("inf"), float("inf")))["tok_s"]
+
+    points = {}  # (server, mode, load) -> {round: outcomes}, in the order first run
+    for server, mode, where, outs, rnd in runs:
+        points.setdefault((server, mode, where), {})[rnd] = outs
+    low = next(v for (server, mode, _), v in points.items() if (server, mode) == ("calid", "ar"))
+    base = load.score([o for outs in low.values() for o in outs], load.Slo(float("inf"), float("inf")))
     slo = load.Slo(slo_scale * base["ttft_ms_p50"] / 1000, slo_scale * base["tpot_ms_p50"] / 1000)
     rows = []
-    for server, mode, where, outs in runs:
-        sc = load.score(outs, slo)
+    for (server, mode, where), by_round in points.items():
+        sc = load.score([o for outs in by_round.values() for o in outs], slo)
+        ar = points.get(("calid", "ar", where), {})
+        ratios = [tok_s(outs) / tok_s(ar[rnd]) if rnd in ar and tok_s(ar[rnd]) else float("nan")
+                  for rnd, outs in sorted(by_round.items())]
         rows.append({"server": server, "mode": mode, "load": where, **{k: sc[k] for k in (
-            "requests", "errors", "tokens", "tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met")},
+            "requests", "errors", "tokens", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met")},
+            "tok_s": statistics.median(tok_s(outs) for outs in by_round.values()),
+            "tok_s_vs_calid_ar": statistics.median(ratios),
+            "rounds_vs_calid_ar": " ".join(f"{r:.2f}" for r in ratios),
             "limit_tok_s": limit * int(where[1:]) if where.startswith("c") else "-"})
-    ar = {r["load"]: r["tok_s"] for r in rows if (r["server"], r["mode"]) == ("calid", "ar")}
-    for r in rows:
-        r["tok_s_vs_calid_ar"] = r["tok_s"] / ar[r["load"]] if ar.get(r["load"]) else float("nan")
     return rows, slo
 
 
