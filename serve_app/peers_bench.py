@@ -101,7 +101,7 @@ def run(args) -> int:
     runs, skipped = [], {}
     url = f"http://127.0.0.1:{args.port}/v1"
     replay = None
-    per_round = sum(args.requests or max(4, 2 * c) for c in sweep)
+    per_round = sum(_requests(args, c) for c in sweep)
     for rnd in range(args.rounds):
         # a fresh server per mode and round: the modes take the same prompts, and a mode after the first would
         # answer from what the one before left in the prompt cache (auto: TTFT 69 ms, not 1.2 s)
@@ -220,12 +220,17 @@ class _peer:
         self.log.close()
 
 
+def _requests(args, c: int) -> int:
+    """How many requests a point at concurrency c sends: --requests, else twice c and at least 4."""
+    return args.requests or max(4, 2 * c)
+
+
 def _sweep(url: str, model: str, server: str, mode: str, sweep: list[int], prompts: list[str], args) -> list:
     """(server, mode, load, outcomes) per concurrency of the closed-loop sweep."""
     runs, at = [], 1
     asyncio.run(_closed_loop(url, model, mode, server, 1, prompts[:1], 8))  # warm the path (first-call costs)
     for c in sweep:  # fresh prompts per point, the same ones for every server: no server answers from a prompt cache
-        n = args.requests or max(4, 2 * c)
+        n = _requests(args, c)
         point = [prompts[(at + i) % len(prompts)] for i in range(n)]
         at += n
         outs = asyncio.run(_closed_loop(url, model, mode, server, c, point, args.max_new_tokens))

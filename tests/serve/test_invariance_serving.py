@@ -47,7 +47,8 @@ def invariant_app(serve_port):
 
 # greedy speculative among others is slow here (about 2 minutes) and runs with -m slow: in CI, greedy speculative
 # == ar served (below) and in process, and the sampled crowd (rejection sampling on the same forwards) stay
-@pytest.mark.parametrize("mode, params", [("ar", {}), ("ar", SAMPLED), pytest.param("speculative", {}, marks=pytest.mark.slow),
+@pytest.mark.parametrize("mode, params", [("ar", {}), ("ar", SAMPLED),
+                                          pytest.param("speculative", {}, marks=pytest.mark.slow),
                                           ("speculative", SAMPLED)],
                          ids=["greedy-ar", "sampled-ar", "greedy-speculative", "sampled-speculative"])
 def test_torch_bf16_invariant_target_alone_equals_among_eleven_others(invariant_app, mode, params):

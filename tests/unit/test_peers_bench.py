@@ -33,16 +33,17 @@ def test_rows_score_every_run_against_calid_ar_at_the_lowest_load():
 
 
 def test_rounds_give_the_median_rate_and_the_median_of_ratios_paired_within_each_round():
-    # calid ar drifts slower over three rounds; the peer is 0.5x, 0.6x and 0.8x of calid ar in its own round
+    # calid ar drifts slower over three rounds; the peer is 0.5x, 0.9x and 0.6x of calid ar in its own round
     ar = [outcomes(2, 1.0, 0.1), outcomes(2, 1.0, 0.2), outcomes(2, 1.0, 0.4)]
     # a point of 2 requests sent 1 s apart lasts 1 + TTFT + 10 x TPOT: calid ar's 2 + 10 t, the peer's that / ratio
-    peer = [outcomes(2, (2 + 10 * t) / k - 1 - 10 * t, t) for t, k in ((0.1, 0.5), (0.2, 0.6), (0.4, 0.8))]
+    peer = [outcomes(2, (2 + 10 * t) / k - 1 - 10 * t, t) for t, k in ((0.1, 0.5), (0.2, 0.9), (0.4, 0.6))]
     runs = [(s, "ar", "c1", outs, rnd) for rnd in range(3) for s, outs in
             (("calid", ar[rnd]), ("llama-cpp-python", peer[rnd]))]
     rows, slo = _rows(runs, 5.0, limit=10.0)
     by = {r["server"]: r for r in rows}
     assert len(rows) == 2 and by["calid"]["requests"] == 6  # every round's requests pooled
-    assert by["llama-cpp-python"]["rounds_vs_calid_ar"] == "0.50 0.60 0.80"
+    assert by["llama-cpp-python"]["rounds_vs_calid_ar"] == "0.50 0.90 0.60"
+    # the median of the paired ratios, 0.6; a ratio of the median rates would give 0.67 (3.67 / 5.5 tok/s)
     assert by["llama-cpp-python"]["tok_s_vs_calid_ar"] == pytest.approx(0.6)
     assert by["calid"]["tok_s"] == pytest.approx(22 / 4)  # round 1's: 22 tokens in 1 + 1 + 2 s
     # the SLO comes from calid ar's requests of all rounds: TPOT p50 of 0.1, 0.1, 0.2, 0.2, 0.4, 0.4 s
