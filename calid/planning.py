@@ -42,6 +42,11 @@ Terms:
                  target time = verify(sum_i tokens verified: 1 + g for a chain (model or n-gram),
                  1 + g * chains + width - 1 for a tree, 1 + nodes for Lookahead), or, for a runtime that
                  splits a batch by length (sliced), the sum of its slices (split_cost).
+  spread         a chain's tokens are not its mean: it holds for j tokens with chance S(j) - S(j+1). Where requests
+                 have known ends, the planner prices E[C(r - X)] over those outcomes (chains independent; _Spread),
+                 not C(r - E[X]): what a burst saves is set by the request that ends up furthest behind, and with
+                 four fresh copies one of them likely breaks at once (the rest finish early and leave it decoding in
+                 small steps: 90 ms a token against 58 in 4-row steps, grounded c4 on a 2-core CPU).
   slices         llama.cpp with a KV stream per sequence runs a batch as ubatches of equal tokens per sequence over
                  sequences on adjacent slots (llama_batch_allocr::split_equal, sequential): first one slice of
                  every sequence's first tokens, up to the shortest's length (the runner keeps live sequences on
@@ -54,6 +59,7 @@ Terms:
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -68,6 +74,7 @@ GUARD_DECAY = 0.85  # weight of what a kind's earlier steps did, per step after 
 # long copy that has agreed for a while and one shaky token are different bets, and a workload mixes both
 DEPTH_EDGES = (1.0, 4.0, float("inf"))
 DEPTH_NAMES = ("plain", "drafted<1", "drafted<4", "drafted4+")
+SPREAD_ATOMS = 8  # outcomes of a chain kept apart in its expected cost to go (_outcomes)
 NO_END = 1 << 16  # tokens left of a request with no known end, beyond the most any request with one has: such
 # requests rank alike, behind every other (small numbers: the cost to go is compared to the digit)
 
@@ -199,6 +206,17 @@ class PlanInput:
             return expected_tokens(self.tree_alpha, c.gamma)
         return 1.0 + self.lookahead_gain if c.mode == "lookahead" else 1.0
 
+    def survival(self, c: Choice) -> tuple[float, ...]:
+        """S(1..g): the chance that the choice's first j draft tokens hold (empty for ar). A chain's from its
+        estimate (n-gram: the copy's; draft chain or tree: a^j); a Lookahead step's, of which only a mean is
+        known, as if its tokens held with one chance each, the one that gives that mean over its nodes."""
+        if c.mode == "ngram":
+            return self.ngram_survival[: c.gamma]
+        a = {"speculative": self.alpha, "tree": self.tree_alpha}.get(c.mode)
+        if c.mode == "lookahead" and self.lookahead_gain is not None:
+            a = _per_token(self.lookahead_gain, c.gamma)
+        return () if a is None else tuple(a ** j for j in range(1, c.gamma + 1))
+
     def verified(self, c: Choice) -> int:
         """Tokens the target's forward takes for this choice."""
         if c.mode == "tree":
@@ -212,6 +230,18 @@ class PlanInput:
     def setup(self, c: Choice) -> float:
         """Seconds of draft catch-up this choice costs before its draft steps."""
         return self.draft_setup_s if self.lanes(c) else 0.0
+
+
+@functools.lru_cache(maxsize=1024)
+def _per_token(mean: float, depth: int) -> float:
+    """The chance a with a + a^2 + ... + a^depth = ``mean`` (bisection; 1.0 where ``mean`` >= ``depth``)."""
+    if mean >= depth:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** j for j in range(1, depth + 1)) < mean else (lo, mid)
+    return (lo + hi) / 2
 
 
 def split_cost(lengths: list[int], verify) -> float:
@@ -276,15 +306,119 @@ class _CostToGo:
         return cost
 
 
+@functools.lru_cache(maxsize=4096)
+def _outcomes(left: float, survival: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+    """A chain's tokens left after the step, with their chances: left - 1 - j where exactly j of its tokens hold,
+    S(j) - S(j+1) (S(0) = 1; all g hold with chance S(g)). A deep chain's partial outcomes (some but not all of its
+    tokens hold) are merged into SPREAD_ATOMS - 2 groups of about equal chance, each at its mean: the sweep's time
+    grows with the outcomes (12 requests with 32-token copies, 2-core CPU: 11 ms a plan merged, 13 ms not)."""
+    s = (1.0,) + tuple(survival) + (0.0,)
+    out = [(max(0.0, left - 1 - j), s[j] - s[j + 1]) for j in range(len(s) - 1) if s[j] > s[j + 1]]
+    if len(out) <= SPREAD_ATOMS:
+        return tuple(out)
+    middle, groups = out[1:-1], SPREAD_ATOMS - 2
+    mass = sum(p for _, p in middle)
+    merged, x, p, done = [], 0.0, 0.0, 0.0
+    for k, (v, q) in enumerate(middle, 1):
+        x, p = x + v * q, p + q
+        if k == len(middle) or done + p >= mass * (len(merged) + 1) / groups * (1 - 1e-9):
+            merged.append((x / p, p))
+            x, p, done = 0.0, 0.0, done + p
+    return tuple(out[:1] + merged + out[-1:])
+
+
+def _drop(q: list[float], p: float) -> None:
+    """Take out of q (the distribution of how many of some requests are still decoding) one request that was with
+    chance p, in place, leaving q's last entry free; forwards where p <= 1/2 and backwards otherwise, so rounding
+    errors shrink."""
+    m = len(q) - 1
+    if p <= 0.5:
+        prev = 0.0
+        for k in range(m):
+            prev = q[k] = max(0.0, (q[k] - p * prev) / (1.0 - p))
+    else:
+        nxt, here = 0.0, q[m]  # without it, none is at m; here: q[k] before it is overwritten
+        for k in range(m, 0, -1):
+            here, q[k - 1] = q[k - 1], max(0.0, (here - (1.0 - p) * nxt) / p)
+            nxt = q[k - 1]
+    q[m] = 0.0
+
+
+def _put(q: list[float], p: float) -> None:
+    """Add to q a request still decoding with chance p (the last entry must be free), in place."""
+    for k in range(len(q) - 1, 0, -1):
+        q[k] = q[k] * (1.0 - p) + q[k - 1] * p
+    q[0] *= 1.0 - p
+
+
+class _Spread:
+    """The expected cost to go of requests whose tokens left after this step are uncertain (a chain's tokens hold
+    or break), beside others' that are taken as certain.
+
+    C(s) = sum_k s_(k) w_k is also the integral over t of W(N(t)), N(t) the requests with more than t tokens left
+    and W(m) = w_1 + ... + w_m a plain step's cost with m of them: each token position is a plain step of the
+    requests that still have it to make. Requests' chains hold or break independently, so E[C] integrates
+    E[W(N(t))], N(t) a fixed count plus a Poisson-binomial one, swept over t with one request's chance changing at
+    a time. The request furthest behind sets the steps left; where some copies hold and others break, it is behind
+    by more than its mean says (4 requests 48 tokens from the end, each copy holding 16 tokens or none at even
+    odds: a plain step's cost for ~47 more steps with chance 15/16, not for 39.5): C(mean) overstates the saving.
+
+    ``marginal``: also the cost to go as a function of one more request's tokens left (``value``)."""
+
+    def __init__(self, certain: list[float], chains: list[tuple[tuple[float, float], ...]], weights: list[float],
+                 offset: float, marginal: bool = False):
+        events = sorted([(x, -1, 1.0) for x in certain] + [(x, j, p) for j, o in enumerate(chains) for x, p in o])
+        cum = [0.0]
+        for w in weights:
+            cum.append(cum[-1] + w)
+        # fixed: requests surely still decoding at t; q: how many of the chains whose chance is strictly between
+        # 0 and 1 at t are (a chain joins q at its first outcome and leaves at its last)
+        chance, q, fixed = [1.0] * len(chains), [1.0], len(certain) + len(chains)
+        self.area, t0 = -offset * cum[len(weights)], 0.0
+        self.knots: list[float] = []
+        self.base: list[float] = []
+        self.slopes: list[float] = []
+        for t, j, dp in events + [(float("inf"), -2, 0.0)]:
+            if t > t0:
+                if marginal:
+                    self.knots.append(t0)
+                    self.base.append(self.base[-1] + (t0 - self.knots[-2]) * self.slopes[-1] if self.slopes else 0.0)
+                    self.slopes.append(sum(x * weights[fixed + r] for r, x in enumerate(q) if x))
+                if t == float("inf"):
+                    break
+                self.area += (t - t0) * sum(x * cum[fixed + r] for r, x in enumerate(q) if x)
+                t0 = t
+            if j == -1:
+                fixed -= 1
+            elif j >= 0:
+                if chance[j] == 1.0:
+                    fixed -= 1
+                    q.append(0.0)
+                else:
+                    _drop(q, chance[j])
+                chance[j] -= dp
+                if chance[j] > 1e-12:
+                    _put(q, chance[j])
+                else:
+                    q.pop()
+
+    def value(self, x: float) -> float:
+        """Expected cost to go with one more request that has ``x`` tokens left (``marginal`` only)."""
+        k = bisect.bisect_right(self.knots, x) - 1
+        return self.area + self.base[k] + (x - self.knots[k]) * self.slopes[k]
+
+
 class _Step:
     """A step's totals under a plan (expected tokens, verified tokens, draft lanes by depth, each request's tokens
     left after it), kept up to date as single requests change their choice, with the costs memoised by size
     (whole tokens and lanes). ``sliced``: the target splits a batch into slices (split_cost), so a verification is
     priced from every sequence's length, not from their total; the ``fixed_tokens`` other requests count one token
-    each, in this step and the plain steps after it."""
+    each, in this step and the plain steps after it. ``spread``: a chain's tokens are priced over what it may yield
+    (_Spread), not at its mean (one request: the same), where its request has a known end: with none, the cost to
+    go stands for tokens per second, which a chain's mean sets."""
 
     def __init__(self, reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int,
-                 plan: list[Choice], sliced: bool = False):
+                 plan: list[Choice], sliced: bool = False, spread: bool = True):
         self.reqs, self.fixed = reqs, fixed_tokens
         self._verify, self._draft_step = verify, draft_step
         self._verify_memo: dict[int, float] = {}
@@ -296,6 +430,9 @@ class _Step:
         self.left = [float(max(known, default=0) + NO_END if r.remaining is None else r.remaining) for r in reqs]
         self.after = list(self.left)
         self.togo = _CostToGo(self._row_costs(len(reqs)), self.left)
+        self.spread = spread and len(reqs) > 1
+        # request -> its tokens left after the step, by chance (chains of requests with a known end)
+        self.chains: dict[int, tuple[tuple[float, float], ...]] = {}
         for i, c in enumerate(plan):
             self._add(i, c, +1)
 
@@ -329,6 +466,9 @@ class _Step:
     def _add(self, i: int, c: Choice, sign: int) -> None:
         r = self.reqs[i]
         self.after[i] = max(0.0, self.left[i] - r.tokens(c)) if sign > 0 else self.left[i]
+        self.chains.pop(i, None)
+        if sign > 0 and self.spread and r.remaining is not None and (survival := r.survival(c)):
+            self.chains[i] = _outcomes(self.left[i], survival)
         self.verified += sign * r.verified(c)
         self.setup += sign * r.setup(c)
         if self.lengths is not None:
@@ -344,7 +484,34 @@ class _Step:
     def rate(self) -> float:
         """Plain decoding seconds the step saves per second it takes (the module's notes: cost to go)."""
         seconds = self.seconds()
-        return (self.togo.start - self.togo(self.after)) / seconds if seconds > 0 else 0.0
+        return (self.togo.start - self._expected_cost()) / seconds if seconds > 0 else 0.0
+
+    def _expected_cost(self) -> float:
+        if not self.chains:
+            return self.togo(self.after)
+        certain = [x for j, x in enumerate(self.after) if j not in self.chains]
+        return _Spread(certain, list(self.chains.values()), self.togo.weights, self.togo.offset).area
+
+    def _value_of_one(self, i: int) -> Callable[[float], float]:
+        """The expected cost to go as a function of request i's tokens left, the others' choices fixed."""
+        others = self.after[:i] + self.after[i + 1:]
+        if not self.chains:
+            return self.togo.of_one(others)
+        certain = [x for j, x in enumerate(self.after) if j != i and j not in self.chains]
+        return _Spread(certain, list(self.chains.values()), self.togo.weights, self.togo.offset, marginal=True).value
+
+    def _expected_saving(self, i: int, options: list[Choice]) -> dict[Choice, float]:
+        """Each option's saving: the cost to go now less its expected cost to go after the step (a chain's over
+        the tokens it may yield, where the step prices spread)."""
+        r, value = self.reqs[i], self._value_of_one(i)
+        out = {}
+        for c in options:
+            if self.spread and r.remaining is not None and (survival := r.survival(c)):
+                after = sum(p * value(x) for x, p in _outcomes(self.left[i], survival))
+            else:
+                after = value(max(0.0, self.left[i] - r.tokens(c)))
+            out[c] = self.togo.start - after
+        return out
 
     def choose(self, i: int, options: list[Choice]) -> float:
         """Give request ``i`` its best option with the others' choices fixed; return the step's rate. Every
@@ -353,7 +520,7 @@ class _Step:
         self._add(i, self.plan[i], -1)
         base = self.setup + sum(self.draft(n) for n in self.lanes)
         verification = self._verification()
-        togo = self.togo.of_one(self.after[:i] + self.after[i + 1:])
+        saving = self._expected_saving(i, options)
         extra: dict[int, list[float]] = {}  # lanes per depth -> extra draft time down to each depth
         best, choice = -1.0, self.plan[i]
         for c in options:
@@ -365,8 +532,7 @@ class _Step:
                     sums.append(acc)
                 extra[k] = sums
             seconds = base + r.setup(c) + (extra[k][c.gamma] if k else 0.0) + verification(r.verified(c))
-            saved = self.togo.start - togo(max(0.0, self.left[i] - r.tokens(c)))
-            rate = saved / seconds if seconds > 0 else 0.0
+            rate = saving[c] / seconds if seconds > 0 else 0.0
             if rate > best * (1 + 1e-9) or (c == self.plan[i] and rate >= best):
                 best, choice = rate, c
         self.plan[i] = choice
@@ -375,12 +541,12 @@ class _Step:
 
 
 def step_rate(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
-              fixed_tokens: int = 0, sliced: bool = False) -> float:
+              fixed_tokens: int = 0, sliced: bool = False, spread: bool = True) -> float:
     """Plain decoding seconds a step under ``plan`` is expected to save per second it takes (the module's notes:
     cost to go; one request: its expected tokens per second x a plain step's seconds). ``fixed_tokens``: other
     work in the forward, one token per other request; ``sliced``: the target splits a batch into slices, see
-    split_cost."""
-    return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced).rate()
+    split_cost; ``spread``: chains priced over what they may yield (_Spread), else at their means."""
+    return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced, spread).rate()
 
 
 def step_seconds(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
@@ -395,15 +561,36 @@ def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, 
     same choice (a batched draft step costs about as much for one lane as for many, so drafting often pays
     only when many requests draft together), then improves one request at a time. A busy or slow-to-verify
     target drafts nothing; an idle one with good acceptance drafts long. Draft chains and trees are options
-    only with a draft cost known (a draft model), trees and Lookahead only where their estimates are given."""
+    only with a draft cost known (a draft model), trees and Lookahead only where their estimates are given.
+
+    Chains are first priced at their means, which is cheap and values a plan at least as high as its spread does
+    wherever each row adds no more to a plain step than the row before (the cost to go is then convex); only a plan
+    that drafts is searched again over what its chains may yield, and of the uniform plans only those whose price at
+    the means beats the best found so far."""
     if not verify.known or not reqs:
         return [AR] * len(reqs)
+    plan = _search(reqs, verify, draft_step, fixed_tokens, passes, sliced, spread=False)
+    if len(reqs) == 1 or all(c == AR for c in plan):
+        return plan
+    return _search(reqs, verify, draft_step, fixed_tokens, passes, sliced, spread=True)
+
+
+def _search(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int, passes: int,
+            sliced: bool, spread: bool) -> list[Choice]:
     options = [r.options(draft_step.known) for r in reqs]
     offered = [set(opts) for opts in options]
     kinds = sorted(set().union(*offered), key=_order)
     uniform = [[c if c in offer else _nearest(c, opts) for opts, offer in zip(options, offered)] for c in kinds]
-    plan = max(uniform, key=lambda p: step_rate(p, reqs, verify, draft_step, fixed_tokens, sliced))
-    step = _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced)
+    rated = sorted(((step_rate(p, reqs, verify, draft_step, fixed_tokens, sliced, False), k) for k, p in
+                    enumerate(uniform)), key=lambda x: (-x[0], x[1]))  # at chains' means: what spread can reach
+    best, plan = -1.0, uniform[0]
+    for bound, k in rated:  # spread pricing only where the mean could beat the best so far
+        if bound <= best:
+            break
+        rate = step_rate(uniform[k], reqs, verify, draft_step, fixed_tokens, sliced, spread) if spread else bound
+        if rate > best:
+            best, plan = rate, uniform[k]
+    step = _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced, spread)
     for _ in range(passes):
         before = list(step.plan)
         for i in range(len(reqs)):

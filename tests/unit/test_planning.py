@@ -1,10 +1,12 @@
 """The step planner with hand-built cost models: when drafting pays and when it does not."""
-import pytest
-
+import itertools
+import math
 import random
 
+import pytest
+
 from calid.planning import (AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, guard_bucket, plan_steps,
-                            NO_END, _Step, split_cost, step_rate, step_seconds)
+                            NO_END, _Step, _search, split_cost, step_rate, step_seconds)
 
 
 def table(points: dict[int, float]) -> CostTable:
@@ -196,15 +198,24 @@ def test_one_long_copy_beside_plain_requests_pays_only_where_it_saves_whole_step
     assert plan_steps(even[:1], QWEN_15B, CostTable(), sliced=True)[0].mode == "ngram"
 
 
-def test_the_planner_values_each_choice_by_the_cost_to_go_of_the_whole_batch():
-    """The planner's incremental value (one request's options beside the others' choices) agrees with the cost to go
-    recomputed over the whole batch, for random batches with known and unknown ends, and its plan is no worse than
-    ar."""
+def _outcomes_of(left: float, r: PlanInput, c: Choice) -> list[tuple[float, float]]:
+    """Tokens left after the step with their chances, enumerated from the survival (an end known) or at the mean."""
+    if r.remaining is None or c.mode != "ngram":
+        return [(max(0.0, left - r.tokens(c)), 1.0)]
+    s = [1.0, *r.survival(c), 0.0]
+    return [(max(0.0, left - 1 - j), s[j] - s[j + 1]) for j in range(c.gamma + 1)]
+
+
+def test_the_planner_values_each_choice_by_the_expected_cost_to_go_of_the_whole_batch():
+    """The planner's value of a step (plain decoding time saved per second) agrees with the cost to go averaged over
+    every joint outcome of the batch's copies (each holds for j tokens with chance S(j) - S(j+1), independently), for
+    random batches with known and unknown ends; each request's incremental value agrees with it; the plan is no worse
+    than ar."""
     rng = random.Random(11)
     for _ in range(200):
-        n = rng.randint(1, 12)
+        n = rng.randint(1, 4)
         reqs = [PlanInput(alpha=0.5, cap=0, remaining=rng.choice([None, rng.randint(1, 40)]),
-                          **copy(rng.randint(0, 12), 0.9)) for _ in range(n)]
+                          **copy(rng.randint(0, 5), rng.uniform(0.3, 1.0))) for _ in range(n)]
         plan = [Choice("ngram", rng.randint(1, r.ngram)) if r.ngram else AR for r in reqs]
         fixed = rng.randint(0, 3)
         rows = [CPU_LIKE(fixed + k) for k in range(n + 1)]
@@ -215,16 +226,77 @@ def test_the_planner_values_each_choice_by_the_cost_to_go_of_the_whole_batch():
             return sum(x * w for x, w in zip(sorted(left, reverse=True), weights))
         known = [r.remaining for r in reqs if r.remaining is not None]
         start = [max(known, default=0) + NO_END if r.remaining is None else r.remaining for r in reqs]  # behind all
-        after = [max(0.0, x - r.tokens(c)) for x, r, c in zip(start, reqs, plan)]
-        saved = togo(start) - togo(after)
+        each = [_outcomes_of(x, r, c) if n > 1 else [(max(0.0, x - r.tokens(c)), 1.0)]
+                for x, r, c in zip(start, reqs, plan)]
+        after = sum(math.prod(p for _, p in joint) * togo([x for x, _ in joint]) for joint in itertools.product(*each))
         seconds = step_seconds(plan, reqs, CPU_LIKE, CostTable(), fixed)
-        assert step_rate(plan, reqs, CPU_LIKE, CostTable(), fixed) == pytest.approx(saved / seconds, rel=1e-6)
+        want = (togo(start) - after) / seconds
+        assert step_rate(plan, reqs, CPU_LIKE, CostTable(), fixed) == pytest.approx(want, rel=1e-6, abs=1e-9)
         step = _Step(reqs, CPU_LIKE, CostTable(), fixed, plan)
         for i, r in enumerate(reqs):  # each request's best option, priced incrementally, as the whole step prices it
-            assert step.choose(i, r.options(False)) == pytest.approx(step.rate(), rel=1e-9)
+            assert step.choose(i, r.options(False)) == pytest.approx(step.rate(), rel=1e-9, abs=1e-12)
         best = plan_steps(reqs, CPU_LIKE, CostTable(), fixed)
         assert step_rate(best, reqs, CPU_LIKE, CostTable(), fixed) >= step_rate([AR] * n, reqs, CPU_LIKE, CostTable(),
                                                                                  fixed) * (1 - 1e-12)
+
+
+def test_larger_batches_price_each_choice_as_the_whole_step_does():
+    """Up to 12 requests with copies up to 32 tokens deep (merged into a few outcomes each): one request's options
+    priced beside the others' agree with the whole step's price, and the plan is no worse than ar."""
+    rng = random.Random(5)
+    for _ in range(60):
+        n = rng.randint(2, 12)
+        reqs = [PlanInput(alpha=0.5, cap=0, remaining=rng.choice([None, rng.randint(1, 60)]),
+                          ngram=(g := rng.randint(0, 32)), ngram_survival=survival(rng.randint(1, 30), g))
+                for _ in range(n)]
+        plan = [Choice("ngram", rng.randint(1, r.ngram)) if r.ngram else AR for r in reqs]
+        step = _Step(reqs, QWEN_15B, CostTable(), 1, plan)
+        for i, r in enumerate(reqs):
+            assert step.choose(i, r.options(False)) == pytest.approx(step.rate(), rel=1e-9, abs=1e-12)
+        best = plan_steps(reqs, QWEN_15B, CostTable(), 1)
+        assert step_rate(best, reqs, QWEN_15B, CostTable(), 1) >= step_rate([AR] * n, reqs, QWEN_15B, CostTable(), 1)
+
+
+def survival(agreed: int, g: int) -> tuple[float, ...]:
+    """A copy's survival as calid.decoding.ngram.Copy gives it after ``agreed`` tokens of agreement: a / (a + j)."""
+    return tuple(agreed / (agreed + j) for j in range(1, g + 1))
+
+
+def test_a_burst_drafts_less_where_some_copies_will_hold_and_others_break():
+    """4 requests 48 tokens from the end, each with a fresh copy (it has agreed for 2 tokens: S(j) = 2 / (2 + j)). At
+    their means, 3-token copies pay; but what a burst saves is set by the request that ends up furthest behind, and
+    with four such copies one of them likely breaks at once: priced over what they may yield, they do not pay.
+    Copies that hold (agreed for 300 tokens) pay either way, and one request alone, or requests with no known end,
+    are priced as before (tokens per second)."""
+    fresh = [PlanInput(alpha=0.5, cap=0, remaining=48, ngram=8, ngram_survival=survival(2, 8)) for _ in range(4)]
+    at_means = _search(fresh, CPU_LIKE, CostTable(), 0, 2, False, spread=False)
+    assert all(c.mode == "ngram" for c in at_means)
+    plain = step_rate([AR] * 4, fresh, CPU_LIKE, CostTable())
+    assert step_rate(at_means, fresh, CPU_LIKE, CostTable(), spread=False) > plain > step_rate(at_means, fresh,
+                                                                                              CPU_LIKE, CostTable())
+    assert plan_steps(fresh, CPU_LIKE, CostTable()) == [AR] * 4
+    held = [PlanInput(alpha=0.5, cap=0, remaining=48, ngram=16, ngram_survival=survival(300, 16)) for _ in range(4)]
+    assert all(c.mode == "ngram" for c in plan_steps(held, CPU_LIKE, CostTable()))
+    alone = fresh[:1]
+    for c in (Choice("ngram", g) for g in (1, 4, 16)):
+        assert step_rate([c], alone, CPU_LIKE, CostTable()) == pytest.approx(
+            step_rate([c], alone, CPU_LIKE, CostTable(), spread=False))
+    unknown = [PlanInput(alpha=0.5, cap=0, ngram=16, ngram_survival=survival(3, 16)) for _ in range(4)]  # no end
+    assert step_rate([Choice("ngram", 16)] * 4, unknown, CPU_LIKE, CostTable()) == pytest.approx(
+        step_rate([Choice("ngram", 16)] * 4, unknown, CPU_LIKE, CostTable(), spread=False))
+
+
+def test_deep_chains_are_merged_into_a_few_outcomes_with_the_same_chance_and_mean():
+    from calid.planning import SPREAD_ATOMS, _outcomes
+
+    for agreed, g, left in ((1, 32, 48.0), (30, 32, 48.0), (3, 16, 10.0), (2, 5, 48.0)):
+        s = survival(agreed, g)
+        full = [(max(0.0, left - 1 - j), a - b) for j, (a, b) in enumerate(zip((1.0, *s), (*s, 0.0)))]
+        got = _outcomes(left, s)
+        assert len(got) == min(len(full), SPREAD_ATOMS)
+        assert sum(p for _, p in got) == pytest.approx(1.0)
+        assert sum(x * p for x, p in got) == pytest.approx(sum(x * p for x, p in full))
+        assert got[0] == full[0] and got[-1] == full[-1]  # breaks at once; holds whole: kept apart
 
 
 def test_tokens_are_worth_the_plain_steps_they_save_in_a_batch_that_shrinks_as_requests_finish():
@@ -464,3 +536,14 @@ def test_the_verification_cap_is_the_best_size_if_every_draft_token_were_free_an
     assert verification_cap(CostTable([1, 2, 4], [0.03, 0.06, 0.12])) == (1.0, 1)  # k tokens cost k steps: none
     assert verification_cap(CostTable([1, 8], [0.03, 0.04]))[0] == pytest.approx(6.0)  # a GPU-like target
     assert verification_cap(CostTable()) == (1.0, 1)
+
+
+def test_every_choice_yields_on_average_what_its_survival_says():
+    """The spread a choice is priced over has the mean its tokens() gives: a draft chain's and a tree's a^j, a copy's
+    own, and a Lookahead step's one chance per node that gives its mean gain over its nodes (all, where the gain is
+    as deep as it)."""
+    r = PlanInput(alpha=0.7, cap=8, lookahead_gain=1.5, tree_alpha=0.8, **copy(5, 0.9))
+    for c in (Choice("speculative", 6), Choice("tree", 3), Choice("ngram", 5), Choice("lookahead", 8), AR):
+        assert 1 + sum(r.survival(c)) == pytest.approx(r.tokens(c), rel=1e-9)
+        assert list(r.survival(c)) == sorted(r.survival(c), reverse=True)
+    assert PlanInput(alpha=0.5, cap=4, lookahead_gain=6.0).survival(Choice("lookahead", 4)) == (1.0,) * 4
