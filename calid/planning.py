@@ -197,14 +197,10 @@ class PlanInput:
         return out
 
     def tokens(self, c: Choice) -> float:
-        """Tokens this choice yields on average."""
-        if c.mode == "speculative":
-            return expected_tokens(self.alpha, c.gamma)
-        if c.mode == "ngram":
-            return 1.0 + sum(self.ngram_survival[: c.gamma])
-        if c.mode == "tree":
-            return expected_tokens(self.tree_alpha, c.gamma)
-        return 1.0 + self.lookahead_gain if c.mode == "lookahead" else 1.0
+        """Tokens this choice yields on average: the target's one and each draft token's chance of holding
+        (a chain's or a tree's (1 - a^(g+1)) / (1 - a), a copy's 1 + S(1) + ... + S(g), Lookahead's 1 + its gain,
+        at most 1 + its nodes)."""
+        return 1.0 + sum(self.survival(c))
 
     def survival(self, c: Choice) -> tuple[float, ...]:
         """S(1..g): the chance that the choice's first j draft tokens hold (empty for ar). A chain's from its
@@ -215,7 +211,7 @@ class PlanInput:
         a = {"speculative": self.alpha, "tree": self.tree_alpha}.get(c.mode)
         if c.mode == "lookahead" and self.lookahead_gain is not None:
             a = _per_token(self.lookahead_gain, c.gamma)
-        return () if a is None else tuple(a ** j for j in range(1, c.gamma + 1))
+        return () if a is None else _powers(a, c.gamma)
 
     def verified(self, c: Choice) -> int:
         """Tokens the target's forward takes for this choice."""
@@ -230,6 +226,12 @@ class PlanInput:
     def setup(self, c: Choice) -> float:
         """Seconds of draft catch-up this choice costs before its draft steps."""
         return self.draft_setup_s if self.lanes(c) else 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def _powers(a: float, depth: int) -> tuple[float, ...]:
+    """a, a^2, ..., a^depth: a chain's survival where each token holds with chance a."""
+    return tuple(a ** j for j in range(1, depth + 1))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -467,8 +469,8 @@ class _Step:
         r = self.reqs[i]
         self.after[i] = max(0.0, self.left[i] - r.tokens(c)) if sign > 0 else self.left[i]
         self.chains.pop(i, None)
-        if sign > 0 and self.spread and r.remaining is not None and (survival := r.survival(c)):
-            self.chains[i] = _outcomes(self.left[i], survival)
+        if sign > 0 and (outcomes := self._outcomes_of(i, c)):
+            self.chains[i] = outcomes
         self.verified += sign * r.verified(c)
         self.setup += sign * r.setup(c)
         if self.lengths is not None:
@@ -476,6 +478,14 @@ class _Step:
         if k := r.lanes(c):
             for d in range(c.gamma):
                 self.lanes[d] += sign * k
+
+    def _outcomes_of(self, i: int, c: Choice) -> tuple[tuple[float, float], ...]:
+        """Request i's tokens left after choice ``c``, by chance, where the step prices spread and the request has
+        a known end; empty where the choice's yield is priced at its mean (ar, no spread, no known end)."""
+        r = self.reqs[i]
+        if not self.spread or r.remaining is None or not (survival := r.survival(c)):
+            return ()
+        return _outcomes(self.left[i], survival)
 
     def seconds(self) -> float:
         """Expected seconds of the step under the plan now held."""
@@ -506,8 +516,8 @@ class _Step:
         r, value = self.reqs[i], self._value_of_one(i)
         out = {}
         for c in options:
-            if self.spread and r.remaining is not None and (survival := r.survival(c)):
-                after = sum(p * value(x) for x, p in _outcomes(self.left[i], survival))
+            if outcomes := self._outcomes_of(i, c):
+                after = sum(p * value(x) for x, p in outcomes)
             else:
                 after = value(max(0.0, self.left[i] - r.tokens(c)))
             out[c] = self.togo.start - after
@@ -569,32 +579,60 @@ def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, 
     the means beats the best found so far."""
     if not verify.known or not reqs:
         return [AR] * len(reqs)
-    plan = _search(reqs, verify, draft_step, fixed_tokens, passes, sliced, spread=False)
+    problem = _Problem.of(reqs, verify, draft_step, fixed_tokens, sliced)
+    plan = _search(problem, passes, spread=False)
     if len(reqs) == 1 or all(c == AR for c in plan):
         return plan
-    return _search(reqs, verify, draft_step, fixed_tokens, passes, sliced, spread=True)
+    return _search(problem, passes, spread=True)
 
 
-def _search(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int, passes: int,
-            sliced: bool, spread: bool) -> list[Choice]:
-    options = [r.options(draft_step.known) for r in reqs]
-    offered = [set(opts) for opts in options]
-    kinds = sorted(set().union(*offered), key=_order)
-    uniform = [[c if c in offer else _nearest(c, opts) for opts, offer in zip(options, offered)] for c in kinds]
-    rated = sorted(((step_rate(p, reqs, verify, draft_step, fixed_tokens, sliced, False), k) for k, p in
-                    enumerate(uniform)), key=lambda x: (-x[0], x[1]))  # at chains' means: what spread can reach
-    best, plan = -1.0, uniform[0]
-    for bound, k in rated:  # spread pricing only where the mean could beat the best so far
+@dataclass(frozen=True)
+class _Problem:
+    """One step's planning problem, with what both searches share: every request's options, the plans that give
+    every request the same kind of choice, and those plans' rates at the chains' means, best first (an upper
+    bound on their rates over what the chains may yield)."""
+
+    reqs: list[PlanInput]
+    verify: CostTable
+    draft_step: CostTable
+    fixed_tokens: int
+    sliced: bool
+    options: list[list[Choice]]
+    uniform: list[list[Choice]]
+    at_means: list[tuple[float, int]]  # (rate at the means, index into uniform)
+
+    @classmethod
+    def of(cls, reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int = 0,
+           sliced: bool = False) -> "_Problem":
+        options = [r.options(draft_step.known) for r in reqs]
+        offered = [set(opts) for opts in options]
+        kinds = sorted(set().union(*offered), key=_order)
+        uniform = [[c if c in offer else _nearest(c, opts) for opts, offer in zip(options, offered)] for c in kinds]
+        at_means = sorted(((step_rate(p, reqs, verify, draft_step, fixed_tokens, sliced, False), k)
+                           for k, p in enumerate(uniform)), key=lambda x: (-x[0], x[1]))
+        return cls(reqs, verify, draft_step, fixed_tokens, sliced, options, uniform, at_means)
+
+    def rate(self, plan: list[Choice], spread: bool) -> float:
+        return step_rate(plan, self.reqs, self.verify, self.draft_step, self.fixed_tokens, self.sliced, spread)
+
+    def step(self, plan: list[Choice], spread: bool) -> _Step:
+        return _Step(self.reqs, self.verify, self.draft_step, self.fixed_tokens, plan, self.sliced, spread)
+
+
+def _search(problem: _Problem, passes: int, spread: bool) -> list[Choice]:
+    """The best uniform plan, then ``passes`` rounds of improving one request at a time."""
+    best, plan = -1.0, problem.uniform[0]
+    for bound, k in problem.at_means:  # spread pricing only where the mean could beat the best so far
         if bound <= best:
             break
-        rate = step_rate(uniform[k], reqs, verify, draft_step, fixed_tokens, sliced, spread) if spread else bound
+        rate = problem.rate(problem.uniform[k], spread) if spread else bound
         if rate > best:
-            best, plan = rate, uniform[k]
-    step = _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced, spread)
+            best, plan = rate, problem.uniform[k]
+    step = problem.step(plan, spread)
     for _ in range(passes):
         before = list(step.plan)
-        for i in range(len(reqs)):
-            step.choose(i, options[i])
+        for i, options in enumerate(problem.options):
+            step.choose(i, options)
         if step.plan == before:
             break
     return step.plan

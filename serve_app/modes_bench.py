@@ -18,7 +18,9 @@ filter's physical cap at each C (even if the draft made every token and the targ
 token costs a draft step: filter cannot beat ar by more than ar's cost per token / the draft's, decoding
 alone), and per workload the n-gram bound: what an oracle that knew which copied tokens ar confirms would
 gain at one request with the timed forward costs (calid.bench.ngram_bound), the ceiling for auto's n-gram
-drafts.
+drafts; and per workload and concurrency the planner replay: ar's greedy outputs of the burst decoded again as
+auto's planner chooses n-gram copies, timed by the same costs (calid.bench.plan_replay): what the planner's
+choices gain on decoding without this machine's noise, beside what the served run measured.
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ def run(args) -> int:
     from calid.bench.data import grounded_prompts, humaneval_prompts
     from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
     from calid.bench.ngram_bound import ngram_bound
+    from calid.bench.plan_replay import replay_burst
     from calid.bench.report import write_report
     from calid.calibration import verification_cap
     from calid.engine import Engine
@@ -139,7 +142,7 @@ def run(args) -> int:
         caps = _filter_caps(engine, sweep) if engine is not None and "filter" in modes else {}
     finally:
         shutdown()
-    bounds = {}
+    bounds, replays = {}, {}
     if spec_cap is not None:  # the in-process cost table is known
         for w in workloads:
             ids = [encode_prompt(target.tokenizer, t) for t in texts[w][:top]]
@@ -147,13 +150,18 @@ def run(args) -> int:
             print(f"n-gram bound, {w}: {bounds[w].ratio:.2f}x ar at one request (an oracle that verifies exactly the "
                   f"n-gram tokens ar confirms, where they pay: {bounds[w].copied} of {bounds[w].tokens} tokens)",
                   file=sys.stderr)
+            for c in sweep:
+                replays[(w, c)] = replay_burst(ids[:c], samples[(w, c, "ar")][-1]["outputs"], calibrated,
+                                               lengths[w][0], engine.orchestrator.sliced)
+                print(f"planner replay, {w} c{c}: {replays[(w, c)].describe()}", file=sys.stderr)
     rows = _rows(samples, caps)
     meta = {"target": cfg.target, "draft": cfg.draft, "batch_invariant": cfg.batch_invariant,
             "plain_run_ms": cfg.plain_run_ms,
             "new_tokens": _lengths_text(lengths, workloads), "rounds": args.rounds,
             "cpu": cpu_summary(), "bandwidth_GBps": round(bandwidth, 1), "decode_limit_tok_s": round(limit, 1),
             "verification_cap": None if spec_cap is None else f"{spec_cap[0]:.2f}x at {spec_cap[1]} tokens",
-            "ngram_bound": {w: f"{b.ratio:.2f}x ({b.copied}/{b.tokens} tokens copied)" for w, b in bounds.items()}}
+            "ngram_bound": {w: f"{b.ratio:.2f}x ({b.copied}/{b.tokens} tokens copied)" for w, b in bounds.items()},
+            "planner_replay": {f"{w} c{c}": r.describe() for (w, c), r in replays.items()}}
     notes = [
         "served_vs_ar / inproc_vs_ar: tokens/s relative to ar at the same workload and concurrency (median of rounds)",
         "rounds_vs_ar: served tokens/s of each round over ar's in the same round (minutes apart): the spread of one "
@@ -182,12 +190,16 @@ def run(args) -> int:
         "ngram_bound: the most any planner of n-gram drafts gains at one request on this workload: an oracle "
         "replays ar's outputs through each request's n-gram index and verifies exactly the proposed tokens ar "
         "confirms, as long a prefix as pays at the timed forward costs (calid.bench.ngram_bound); under load, less",
+        "planner_replay: ar's greedy outputs of each burst decoded again, step by step, as auto's planner chooses "
+        "n-gram copies (no StepGuard, no draft model, no Lookahead), every step timed by the same forward costs as "
+        "the target slices the batch (calid.bench.plan_replay): the planner's decoding speed-up without this "
+        "machine's noise, to read beside decode_vs_ar",
     ]
     name = f"modes-{'small' if args.small else 'qwen'}-{'invariant' if cfg.batch_invariant else 'batched'}"
     js, md = write_report(Path(args.out), name, "the server's choices vs plain decoding, served and in process",
                           meta, rows, COLUMNS, notes)
     print(md.read_text())
-    print(_verdict(rows, modes, bounds), file=sys.stderr)
+    print(_verdict(rows, modes, bounds, replays), file=sys.stderr)
     print(f"wrote {js} and {md}", file=sys.stderr)
     return 0
 
@@ -323,8 +335,9 @@ def _whole(decoding: float, prefill_cap: float) -> float:
     return 1 / (prefill + (1 - prefill) / decoding)
 
 
-def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None) -> str:
-    """The issue's targets, point by point (``bounds``: the n-gram bound per workload)."""
+def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None, replays: dict | None = None) -> str:
+    """The issue's targets, point by point (``bounds``: the n-gram bound per workload; ``replays``: the planner
+    replay per workload and concurrency)."""
     lines = []
     for r in rows:
         goal = {"auto": 1.3 if r["workload"] == "grounded" else 0.98, "filter": 1.3}.get(r["mode"])
@@ -341,6 +354,8 @@ def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None) -> 
                 line += f"; n-gram bound on this machine {bound:.2f}x at c1 (decoding alone)"
                 if r["concurrency"] == 1:
                     line += f", {_whole(bound, r['prefill_cap']):.2f}x on whole requests"
+            if r["mode"] == "auto" and (replay := (replays or {}).get((r["workload"], r["concurrency"]))):
+                line += f"; the planner's copies replayed on ar's outputs {replay.ratio:.2f}x (decoding alone, no noise)"
             lines.append(line)
         if r["served_vs_inproc"] == r["served_vs_inproc"]:  # not NaN
             lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: served/in-process "

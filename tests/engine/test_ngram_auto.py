@@ -79,3 +79,26 @@ def test_sampled_auto_requests_take_ngram_drafts_too(ll):
     res = run(engine, ids, "auto", temperature=0.3, seed=3)
     assert all(len(r.output_ids) == N or r.finish_reason == "stop" for r in res)
     assert sum(r.stats.draft_tokens for r in res) > 0 and ll.runner.cached_count() == 0
+
+
+def test_the_planner_replay_copies_what_the_engine_copies_on_the_same_outputs(ll):
+    """calid.bench.plan_replay decodes ar's greedy outputs again as the planner chooses n-gram copies, with no
+    model: at the same pinned costs it copies about as many tokens as the engine's auto did (the engine may also
+    take Lookahead steps and its StepGuard may overrule a plan, which the replay leaves out), and where verifying
+    costs what plain steps do it copies nothing."""
+    from calid.bench.plan_replay import replay_burst
+
+    ids = [encode_prompt(ll.tokenizer, p) for p in grounded_prompts(4)]
+    ar = [r.output_ids for r in run(Engine(ll.runner, ll.tokenizer, ll.eos_ids, max_batch=4), ids, "ar")]
+    engine = Engine(ll.runner, ll.tokenizer, ll.eos_ids, max_batch=4)
+    engine.set_costs(cheap_verify(), CostTable())
+    copied = sum(r.stats.draft_tokens for r in run(engine, ids, "auto"))
+    replay = replay_burst(ids, ar, cheap_verify(), max_new_tokens=N, sliced=engine.orchestrator.sliced)
+    assert replay.tokens == sum(len(o) - 1 for o in ar)
+    assert abs(replay.copied - copied) <= 0.25 * copied, (replay.copied, copied)
+    print(f"replay copied {replay.copied}, the engine {copied}; {replay.describe()}")
+    assert replay.ratio > 1.2 and replay.steps < replay.ar_steps  # a third of the tokens copied, nearly free
+    proportional = CostTable()
+    for size in (1, 8, 64):
+        proportional.observe(size, 0.02 * size)
+    assert replay_burst(ids, ar, proportional, max_new_tokens=N).copied == 0

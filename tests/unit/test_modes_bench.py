@@ -39,6 +39,9 @@ def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
     verdict = _verdict(list(rows.values()), ["ar", "auto", "filter"])
     assert "grounded c1 auto: 1.33x ar served (target >= 1.3: met; by round 1.33 1.40 1.27); " \
            "decoding alone 2.00x ar; whole requests cannot beat ar by more than 2.00x here (prefill)" in verdict
+    replayed = _verdict(list(rows.values()), ["ar", "auto", "filter"],
+                        replays={("grounded", 1): SimpleNamespace(ratio=1.8)})
+    assert "prefill); the planner's copies replayed on ar's outputs 1.80x (decoding alone, no noise)" in replayed
 
 
 def test_a_decoding_speed_up_counts_on_whole_requests_only_past_the_prefill():

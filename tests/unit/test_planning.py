@@ -6,7 +6,7 @@ import random
 import pytest
 
 from calid.planning import (AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, guard_bucket, plan_steps,
-                            NO_END, _Step, _search, split_cost, step_rate, step_seconds)
+                            NO_END, _Problem, _Step, _search, split_cost, step_rate, step_seconds)
 
 
 def table(points: dict[int, float]) -> CostTable:
@@ -269,7 +269,7 @@ def test_a_burst_drafts_less_where_some_copies_will_hold_and_others_break():
     Copies that hold (agreed for 300 tokens) pay either way, and one request alone, or requests with no known end,
     are priced as before (tokens per second)."""
     fresh = [PlanInput(alpha=0.5, cap=0, remaining=48, ngram=8, ngram_survival=survival(2, 8)) for _ in range(4)]
-    at_means = _search(fresh, CPU_LIKE, CostTable(), 0, 2, False, spread=False)
+    at_means = _search(_Problem.of(fresh, CPU_LIKE, CostTable()), 2, spread=False)
     assert all(c.mode == "ngram" for c in at_means)
     plain = step_rate([AR] * 4, fresh, CPU_LIKE, CostTable())
     assert step_rate(at_means, fresh, CPU_LIKE, CostTable(), spread=False) > plain > step_rate(at_means, fresh,
@@ -538,12 +538,15 @@ def test_the_verification_cap_is_the_best_size_if_every_draft_token_were_free_an
     assert verification_cap(CostTable()) == (1.0, 1)
 
 
-def test_every_choice_yields_on_average_what_its_survival_says():
-    """The spread a choice is priced over has the mean its tokens() gives: a draft chain's and a tree's a^j, a copy's
-    own, and a Lookahead step's one chance per node that gives its mean gain over its nodes (all, where the gain is
-    as deep as it)."""
+def test_every_choice_yields_on_average_what_its_estimate_says():
+    """A choice's mean yield (tokens(), read off the survival its spread is priced over) is its estimate's: a draft
+    chain's and a tree's (1 - a^(g+1)) / (1 - a), a copy's 1 + S(1) + ... + S(g), and a Lookahead step's 1 + its
+    mean gain, spread as one chance per node; a gain as deep as the nodes yields every node, no more."""
     r = PlanInput(alpha=0.7, cap=8, lookahead_gain=1.5, tree_alpha=0.8, **copy(5, 0.9))
-    for c in (Choice("speculative", 6), Choice("tree", 3), Choice("ngram", 5), Choice("lookahead", 8), AR):
-        assert 1 + sum(r.survival(c)) == pytest.approx(r.tokens(c), rel=1e-9)
+    expected = {Choice("speculative", 6): expected_tokens(0.7, 6), Choice("tree", 3): expected_tokens(0.8, 3),
+                Choice("ngram", 5): 1 + sum(r.ngram_survival[:5]), Choice("lookahead", 8): 2.5, AR: 1.0}
+    for c, tokens in expected.items():
+        assert r.tokens(c) == pytest.approx(tokens, rel=1e-9)
         assert list(r.survival(c)) == sorted(r.survival(c), reverse=True)
-    assert PlanInput(alpha=0.5, cap=4, lookahead_gain=6.0).survival(Choice("lookahead", 4)) == (1.0,) * 4
+    deep = PlanInput(alpha=0.5, cap=4, lookahead_gain=6.0)
+    assert deep.survival(Choice("lookahead", 4)) == (1.0,) * 4 and deep.tokens(Choice("lookahead", 4)) == 5.0
