@@ -29,7 +29,7 @@ from calid.decoding.ngram import MAX_CHAIN, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
 from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, PlanInput, StepGuard, draft_depth,
-                            plan_steps, step_seconds)
+                            plan_steps, step_outlook)
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -250,6 +250,7 @@ class Orchestrator:
             by_replica.setdefault(self.replica_of(s.req.request_id), []).append(s)
         plans, extra = [], []  # extra: tokens each request's choice expects beyond a plain step's one
         seconds = plain_seconds = 0.0  # replicas run their forwards side by side: the step takes the slowest's
+        saved = plain_saved = 0.0  # plain decoding seconds the plans are expected to save (the planner's measure)
         for replica, group in by_replica.items():
             auto = [s for s in group if s.req.decode.mode == "auto"]
             if auto:
@@ -258,10 +259,11 @@ class Orchestrator:
                 chosen = plan_steps(inputs, verify, draft_cost, fixed, sliced=self.sliced)
                 plans += zip(auto, chosen)
                 extra += [r.tokens(c) - 1 for r, c in zip(inputs, chosen)]
-                seconds = max(seconds, step_seconds(chosen, inputs, verify, draft_cost, fixed, self.sliced))
-                plain_seconds = max(plain_seconds,
-                                    step_seconds([AR] * len(auto), inputs, verify, draft_cost, fixed, self.sliced))
-        forecast = Forecast(sum(extra), seconds, plain_seconds)
+                outlook = step_outlook(chosen, inputs, verify, draft_cost, fixed, self.sliced)
+                plain = step_outlook([AR] * len(auto), inputs, verify, draft_cost, fixed, self.sliced)
+                saved, seconds = saved + outlook[0], max(seconds, outlook[1])
+                plain_saved, plain_seconds = plain_saved + plain[0], max(plain_seconds, plain[1])
+        forecast = Forecast(sum(extra), seconds, plain_seconds, saved, plain_saved)
         drafts = any(c.mode != "ar" for _, c in plans)
         depth = draft_depth(sum(extra)) if drafts else 0
         if depth and self.guard is not None and not self.guard.allow(len(states), depth, forecast):
@@ -292,12 +294,12 @@ class Orchestrator:
         # a copy is not bound by gamma (a draft model's chain length): it costs only its verification
         copy = ngram.copy(0 if s.prefilling else self._draft_budget(s, max(decode.gamma, MAX_CHAIN)))
         self._ngram_proposal[rid] = copy.tokens
-        return PlanInput(self._acceptance.setdefault(rid, Acceptance()).alpha, cap,
-                         self._lookahead_gain.setdefault(rid, Gain()).mean,
-                         tree.alpha if tree else None, decode.tree_width, decode.tree_chains,
-                         ngram=len(copy.tokens), ngram_survival=tuple(copy.survival()),
-                         draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids) - self._draft_seen.get(rid, 0) - 1),
-                         remaining=self._tokens_left(s))
+        return PlanInput.of_copy(copy, alpha=self._acceptance.setdefault(rid, Acceptance()).alpha, cap=cap,
+                                 lookahead_gain=self._lookahead_gain.setdefault(rid, Gain()).mean,
+                                 tree_alpha=tree.alpha if tree else None, tree_width=decode.tree_width,
+                                 tree_chains=decode.tree_chains, remaining=self._tokens_left(s),
+                                 draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids)
+                                                                          - self._draft_seen.get(rid, 0) - 1))
 
     def after_draft(self, states: list[RequestState], results: list[DraftResult]
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
@@ -436,7 +438,7 @@ class Orchestrator:
     def _draft_budget(self, s: RequestState, gamma: int | None = None) -> int:
         """Most draft tokens worth proposing now: the step's gamma, the request's remaining budget, the context."""
         decode = self.decode_of(s)
-        return _budget(decode.mode, decode.gamma if gamma is None else gamma, self._tokens_left(s))
+        return draft_budget(decode.mode, decode.gamma if gamma is None else gamma, self._tokens_left(s))
 
     def _tokens_left(self, s: RequestState) -> int:
         """Tokens the request may still produce: its max_new_tokens less its output, or the context left."""
@@ -444,8 +446,8 @@ class Orchestrator:
 
     def round_budget(self, req: GenerationRequest, produced: int = 0) -> int:
         """Most draft tokens an edge client's next round may carry, ``produced`` tokens into the output."""
-        return _budget(req.decode.mode, req.decode.gamma,
-                       min(req.params.max_new_tokens - produced, self.max_position - len(req.prompt_ids) - produced))
+        return draft_budget(req.decode.mode, req.decode.gamma,
+                            min(req.params.max_new_tokens - produced, self.max_position - len(req.prompt_ids) - produced))
 
     @staticmethod
     def _adapt(s: RequestState, accepted: int, proposed: int) -> None:
@@ -455,7 +457,9 @@ class Orchestrator:
         s.set_threshold(min(0.99, max(0.0, s.threshold + step)))
 
 
-def _budget(mode: str, gamma: int, left: int) -> int:
+def draft_budget(mode: str, gamma: int, left: int) -> int:
+    """Most draft tokens a step of ``mode`` may propose with ``left`` tokens to go: ``gamma`` at most, and one
+    fewer than left where the target adds a token of its own (every mode but filter)."""
     spare = left if mode == "filter" else left - 1  # verifying modes add a target token
     return max(0, min(gamma, spare))
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from calid.decoding.ngram import MAX_CHAIN, NgramIndex
+from calid.orchestrator import draft_budget
 from calid.planning import Choice, CostTable, PlanInput, plan_steps, split_cost
 
 Planner = Callable[[list[PlanInput], CostTable, bool], list[Choice]]
@@ -70,10 +71,9 @@ def replay_burst(prompts: list[list[int]], outputs: list[list[int]], verify: Cos
         for i in active:
             indexes[i].extend(prompts[i] + outputs[i][: produced[i]])
             left = budgets[i] - produced[i]
-            copy = indexes[i].copy(max(0, min(MAX_CHAIN, left - 1)))  # a verification adds the target's token
+            copy = indexes[i].copy(draft_budget("auto", MAX_CHAIN, left))
             copies.append(copy.tokens)
-            inputs.append(PlanInput(alpha=0.0, cap=0, ngram=len(copy.tokens), ngram_survival=tuple(copy.survival()),
-                                    remaining=left))
+            inputs.append(PlanInput.of_copy(copy, alpha=0.0, cap=0, remaining=left))
         lengths = []
         for i, copy, choice in zip(active, copies, planner(inputs, verify, sliced)):
             drafted = copy[: choice.gamma] if choice.mode == "ngram" else []
