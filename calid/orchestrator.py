@@ -29,7 +29,7 @@ from calid.decoding.ngram import MAX_CHAIN, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
 from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, PlanInput, StepGuard, draft_depth,
-                            plan_steps, step_outlook)
+                            plan_steps, step_seconds)
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -250,7 +250,6 @@ class Orchestrator:
             by_replica.setdefault(self.replica_of(s.req.request_id), []).append(s)
         plans, extra = [], []  # extra: tokens each request's choice expects beyond a plain step's one
         seconds = plain_seconds = 0.0  # replicas run their forwards side by side: the step takes the slowest's
-        saved = plain_saved = 0.0  # plain decoding seconds the plans are expected to save (the planner's measure)
         for replica, group in by_replica.items():
             auto = [s for s in group if s.req.decode.mode == "auto"]
             if auto:
@@ -259,11 +258,10 @@ class Orchestrator:
                 chosen = plan_steps(inputs, verify, draft_cost, fixed, sliced=self.sliced)
                 plans += zip(auto, chosen)
                 extra += [r.tokens(c) - 1 for r, c in zip(inputs, chosen)]
-                outlook = step_outlook(chosen, inputs, verify, draft_cost, fixed, self.sliced)
-                plain = step_outlook([AR] * len(auto), inputs, verify, draft_cost, fixed, self.sliced)
-                saved, seconds = saved + outlook[0], max(seconds, outlook[1])
-                plain_saved, plain_seconds = plain_saved + plain[0], max(plain_seconds, plain[1])
-        forecast = Forecast(sum(extra), seconds, plain_seconds, saved, plain_saved)
+                seconds = max(seconds, step_seconds(chosen, inputs, verify, draft_cost, fixed, self.sliced))
+                plain_seconds = max(plain_seconds,
+                                    step_seconds([AR] * len(auto), inputs, verify, draft_cost, fixed, self.sliced))
+        forecast = Forecast(sum(extra), seconds, plain_seconds)
         drafts = any(c.mode != "ar" for _, c in plans)
         depth = draft_depth(sum(extra)) if drafts else 0
         if depth and self.guard is not None and not self.guard.allow(len(states), depth, forecast):

@@ -499,11 +499,7 @@ class _Step:
     def rate(self) -> float:
         """Plain decoding seconds the step saves per second it takes (the module's notes: cost to go)."""
         seconds = self.seconds()
-        return self.saving() / seconds if seconds > 0 else 0.0
-
-    def saving(self) -> float:
-        """Plain decoding seconds the step is expected to save."""
-        return self.togo.start - self._expected_cost()
+        return (self.togo.start - self._expected_cost()) / seconds if seconds > 0 else 0.0
 
     def _expected_cost(self) -> float:
         if not self.chains:
@@ -572,14 +568,6 @@ def step_seconds(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, d
                  fixed_tokens: int = 0, sliced: bool = False) -> float:
     """Expected seconds of a step under ``plan`` (draft catch-up, draft steps and the target's forward)."""
     return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced).seconds()
-
-
-def step_outlook(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
-                 fixed_tokens: int = 0, sliced: bool = False) -> tuple[float, float]:
-    """A step under ``plan``: (plain decoding seconds it is expected to save, seconds it is expected to take), as
-    the planner prices it (step_rate is their ratio)."""
-    step = _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced)
-    return step.saving(), step.seconds()
 
 
 def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int = 0,
@@ -669,22 +657,11 @@ def _nearest(c: Choice, options: list[Choice]) -> Choice:
 @dataclass(frozen=True)
 class Forecast:
     """What the planner expects of a step: ``extra`` tokens beyond one per request, in ``seconds``, where the
-    same step run plain would take ``plain_seconds``; and what each is worth in the planner's terms, the plain
-    decoding seconds it saves (``saved_s``, ``plain_saved_s``; None: worth its tokens, as with one request)."""
+    same step run plain would take ``plain_seconds``."""
 
     extra: float
     seconds: float
     plain_seconds: float
-    saved_s: float | None = None
-    plain_saved_s: float | None = None
-
-    def worth(self, requests: int, yielded: float) -> tuple[float, float]:
-        """(the step's worth, a plain step's) where its extra tokens come at ``yielded`` of those forecast: the
-        planner's savings, or tokens where those are not known. A plain step's worth is what every step is sure of
-        (one token per request); only the rest is bet on the drafts."""
-        if self.saved_s is None or self.plain_saved_s is None:
-            return requests + self.extra * yielded, float(requests)
-        return self.plain_saved_s + (self.saved_s - self.plain_saved_s) * yielded, self.plain_saved_s
 
 
 @dataclass
@@ -742,12 +719,7 @@ class StepGuard:
     depth measurably did against theirs: seconds taken per second forecast (transport, planning, a verification
     dearer than its table) and extra tokens per extra token forecast (a copy that breaks sooner than its survival
     said); a plain step's by its seconds per second forecast. The step drafts only where the corrected forecast
-    is at least GUARD_MARGIN cheaper per unit of what the step is worth: the plain decoding seconds the planner
-    expects it to save (Forecast.worth), so the guard judges by the planner's own measure. Per token would veto
-    what the cost to go rightly asks for: in a burst whose requests end apart, a straggler's copied tokens save
-    whole steps it would otherwise take alone, though the step costs more per token than a plain one (in process,
-    grounded answers to EOS at 4 requests: decoding 1.21x and 1.32x ar judged per token, against 1.60x and 1.48x
-    with no guard, on the same bursts). So a strong forecast still drafts where weak ones of the same
+    is at least GUARD_MARGIN cheaper per token. So a strong forecast still drafts where weak ones of the same
     depth lost (a refactor's long copy beside a summary's shaky ones), and forecasts that do not hold stop
     drafting. A depth with fewer than GUARD_MIN steps of its own is judged by all drafting steps of its size."""
 
@@ -769,9 +741,9 @@ class StepGuard:
         elif drafted is None or drafted.samples < GUARD_MIN or forecast.seconds <= 0 or forecast.plain_seconds <= 0:
             ok = True
         else:
-            worth, plain_worth = forecast.worth(requests, drafted.yielded)
-            drafting = forecast.seconds * drafted.slower / worth  # seconds per unit of worth, as measured
-            if drafting > forecast.plain_seconds * plain.slower / plain_worth * (1 - GUARD_MARGIN):  # a tie: plain
+            tokens = requests + forecast.extra * drafted.yielded
+            drafting = forecast.seconds * drafted.slower / tokens
+            if drafting > forecast.plain_seconds * plain.slower / requests * (1 - GUARD_MARGIN):  # a tie is plain's
                 ok = k % GUARD_EXPLORE == 0
             else:
                 ok = k % GUARD_EXPLORE != 0

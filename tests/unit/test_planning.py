@@ -550,31 +550,3 @@ def test_every_choice_yields_on_average_what_its_estimate_says():
         assert list(r.survival(c)) == sorted(r.survival(c), reverse=True)
     deep = PlanInput(alpha=0.5, cap=4, lookahead_gain=6.0)
     assert deep.survival(Choice("lookahead", 4)) == (1.0,) * 4 and deep.tokens(Choice("lookahead", 4)) == 5.0
-
-
-def test_the_guard_judges_a_step_by_the_savings_the_planner_priced_it_by():
-    """The request furthest behind copies 16 tokens beside 11 plain rows (the planner's cost to go: its tokens save
-    steps it would decode alone). Per token that step is dearer than a plain one (21.1 against 20.3 ms), so a guard
-    that judged per token would run it plain even where every forecast held; by the planner's savings it drafts.
-    Where the copies yield half what they forecast, the savings bet on them shrink and the step runs plain."""
-    from calid.planning import GUARD_MIN, Forecast, StepGuard, draft_depth, step_outlook
-
-    behind = [PlanInput(alpha=0.5, cap=0, remaining=48, **copy(16, 0.97))] + [PlanInput(alpha=0.5, cap=0, remaining=8)] * 11
-    plan = plan_steps(behind, QWEN_15B, CostTable(), sliced=True)
-    assert plan[0].mode == "ngram" and plan[1:] == [AR] * 11
-    saved, seconds = step_outlook(plan, behind, QWEN_15B, CostTable(), sliced=True)
-    plain_saved, plain_seconds = step_outlook([AR] * 12, behind, QWEN_15B, CostTable(), sliced=True)
-    extra = sum(r.tokens(c) for r, c in zip(behind, plan)) - 12
-    assert seconds / (12 + extra) > plain_seconds / 12 and saved / seconds > 1.2 * plain_saved / plain_seconds
-    forecast, depth = Forecast(extra, seconds, plain_seconds, saved, plain_saved), draft_depth(extra)
-
-    def guard(yielded: float) -> StepGuard:
-        g = StepGuard()
-        for _ in range(GUARD_MIN):
-            g.observe(12, 0, plain_seconds, 12, Forecast(0, plain_seconds, plain_seconds))
-            g.observe(12, depth, seconds, round(12 + extra * yielded), forecast)
-        return g
-
-    assert guard(1.0).allow(12, depth, forecast)
-    assert not guard(1.0).allow(12, depth, Forecast(extra, seconds, plain_seconds))  # per token: plain
-    assert not guard(0.5).allow(12, depth, forecast)
