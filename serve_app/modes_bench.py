@@ -142,7 +142,7 @@ def run(args) -> int:
         caps = _filter_caps(engine, sweep) if engine is not None and "filter" in modes else {}
     finally:
         shutdown()
-    bounds, replays = {}, {}
+    bounds, replays, foresights = {}, {}, {}
     if spec_cap is not None:  # the in-process cost table is known
         for w in workloads:
             ids = [encode_prompt(target.tokenizer, t) for t in texts[w][:top]]
@@ -151,9 +151,12 @@ def run(args) -> int:
                   f"n-gram tokens ar confirms, where they pay: {bounds[w].copied} of {bounds[w].tokens} tokens)",
                   file=sys.stderr)
             for c in sweep:
-                replays[(w, c)] = replay_burst(ids[:c], samples[(w, c, "ar")][-1]["outputs"], calibrated,
-                                               lengths[w][0], engine.orchestrator.sliced)
-                print(f"planner replay, {w} c{c}: {replays[(w, c)].describe()}", file=sys.stderr)
+                burst = (ids[:c], samples[(w, c, "ar")][-1]["outputs"], calibrated, lengths[w][0],
+                         engine.orchestrator.sliced)
+                replays[(w, c)] = replay_burst(*burst)
+                foresights[(w, c)] = replay_burst(*burst, foresight=True)
+                print(f"planner replay, {w} c{c}: {replays[(w, c)].describe()}; with each copy's yield known "
+                      f"{foresights[(w, c)].describe()}", file=sys.stderr)
     rows = _rows(samples, caps)
     meta = {"target": cfg.target, "draft": cfg.draft, "batch_invariant": cfg.batch_invariant,
             "plain_run_ms": cfg.plain_run_ms,
@@ -161,7 +164,8 @@ def run(args) -> int:
             "cpu": cpu_summary(), "bandwidth_GBps": round(bandwidth, 1), "decode_limit_tok_s": round(limit, 1),
             "verification_cap": None if spec_cap is None else f"{spec_cap[0]:.2f}x at {spec_cap[1]} tokens",
             "ngram_bound": {w: f"{b.ratio:.2f}x ({b.copied}/{b.tokens} tokens copied)" for w, b in bounds.items()},
-            "planner_replay": {f"{w} c{c}": r.describe() for (w, c), r in replays.items()}}
+            "planner_replay": {f"{w} c{c}": r.describe() for (w, c), r in replays.items()},
+            "planner_foresight": {f"{w} c{c}": r.describe() for (w, c), r in foresights.items()}}
     notes = [
         "served_vs_ar / inproc_vs_ar: tokens/s relative to ar at the same workload and concurrency (median of rounds)",
         "rounds_vs_ar: served tokens/s of each round over ar's in the same round (minutes apart): the spread of one "
@@ -194,12 +198,15 @@ def run(args) -> int:
         "n-gram copies (no StepGuard, no draft model, no Lookahead), every step timed by the same forward costs as "
         "the target slices the batch (calid.bench.plan_replay): the planner's decoding speed-up without this "
         "machine's noise, to read beside decode_vs_ar",
+        "planner_foresight: the same replay with the planner told exactly how many tokens of each copy ar's output "
+        "confirms: what auto's n-gram copies could reach at this load if their yields were known (replay against it: "
+        "what guessing them costs); the verdict turns it into whole requests past the prefill",
     ]
     name = f"modes-{'small' if args.small else 'qwen'}-{'invariant' if cfg.batch_invariant else 'batched'}"
     js, md = write_report(Path(args.out), name, "the server's choices vs plain decoding, served and in process",
                           meta, rows, COLUMNS, notes)
     print(md.read_text())
-    print(_verdict(rows, modes, bounds, replays), file=sys.stderr)
+    print(_verdict(rows, modes, bounds, replays, foresights), file=sys.stderr)
     print(f"wrote {js} and {md}", file=sys.stderr)
     return 0
 
@@ -335,9 +342,10 @@ def _whole(decoding: float, prefill_cap: float) -> float:
     return 1 / (prefill + (1 - prefill) / decoding)
 
 
-def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None, replays: dict | None = None) -> str:
-    """The issue's targets, point by point (``bounds``: the n-gram bound per workload; ``replays``: the planner
-    replay per workload and concurrency)."""
+def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None, replays: dict | None = None,
+             foresights: dict | None = None) -> str:
+    """The issue's targets, point by point (``bounds``: the n-gram bound per workload; ``replays`` and
+    ``foresights``: the planner replay per workload and concurrency, guessing and knowing each copy's yield)."""
     lines = []
     for r in rows:
         goal = {"auto": 1.3 if r["workload"] == "grounded" else 0.98, "filter": 1.3}.get(r["mode"])
@@ -356,6 +364,10 @@ def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None, rep
                     line += f", {_whole(bound, r['prefill_cap']):.2f}x on whole requests"
             if r["mode"] == "auto" and (replay := (replays or {}).get((r["workload"], r["concurrency"]))):
                 line += f"; the planner's copies replayed on ar's outputs {replay.ratio:.2f}x (decoding alone, no noise)"
+            if r["mode"] == "auto" and (known := (foresights or {}).get((r["workload"], r["concurrency"]))):
+                line += (f"; with each copy's yield known {known.ratio:.2f}x, "
+                         f"{_whole(known.ratio, r['prefill_cap']):.2f}x on whole requests (the most n-gram copies "
+                         "reach at this load)")
             lines.append(line)
         if r["served_vs_inproc"] == r["served_vs_inproc"]:  # not NaN
             lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: served/in-process "

@@ -11,10 +11,17 @@ run's decoding speed-up (decode_vs_ar), not with whole requests.
 
 Left out: the StepGuard (it corrects forecasts by measured steps, which a replay has none of), draft models and
 Lookahead (their proposals need the models), and live updates of the cost table.
+
+With ``foresight`` the planner is told, before each step, exactly how many tokens of every copy ar's output
+confirms (each copy's survival 1 up to there, 0 beyond), so it verifies no token that breaks and knows which
+requests' copies are worth a long chain. That separates two losses: replay against foresight is what guessing a
+copy's yield costs; foresight against the target is what no n-gram planner of this cost model can reach at this
+load. It is the planner's own step-by-step choice, not an optimum over whole bursts, so it is a ceiling in
+practice, not a proven one (at one request, calid.bench.ngram_bound is exact).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from calid.decoding.ngram import MAX_CHAIN, NgramIndex
@@ -35,6 +42,7 @@ class Replay:
     tokens: int  # output tokens decoded (each request's after its first)
     copied: int  # of them, accepted from copies
     steps: int  # the planner's steps
+    verified: int  # copied tokens sent to the target, held or not
     ar_steps: int
     ar_s: float  # plain decoding's steps, timed by the table
     planned_s: float  # the planner's steps, timed by the table
@@ -50,11 +58,12 @@ class Replay:
 
 
 def replay_burst(prompts: list[list[int]], outputs: list[list[int]], verify: CostTable, max_new_tokens: int | None = None,
-                 sliced: bool = True, planner: Planner = auto_planner) -> Replay:
+                 sliced: bool = True, planner: Planner = auto_planner, foresight: bool = False) -> Replay:
     """Decode ``prompts`` together (one burst, no request joins later) into their greedy ar ``outputs`` twice: in
     plain steps, and as ``planner`` chooses with n-gram copies. ``max_new_tokens``: each request's budget as the
     server knew it (its tokens left rank it in the planner's cost to go; default: its output's length); ``sliced``:
-    the target splits a batch into slices (llama.cpp)."""
+    the target splits a batch into slices (llama.cpp); ``foresight``: the planner knows each copy's yield (the
+module's notes)."""
     if len(prompts) != len(outputs):
         raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
     if not verify.known:
@@ -65,7 +74,7 @@ def replay_burst(prompts: list[list[int]], outputs: list[list[int]], verify: Cos
     ar_s, ar_steps = _plain(outputs, verify, sliced)
     produced = [min(1, len(out)) for out in outputs]  # the first token is the prefill's
     indexes = [NgramIndex() for _ in prompts]
-    planned_s, steps, copied = 0.0, 0, 0
+    planned_s, steps, copied, verified = 0.0, 0, 0, 0
     while active := [i for i, out in enumerate(outputs) if produced[i] < len(out)]:
         copies, inputs = [], []
         for i in active:
@@ -73,20 +82,33 @@ def replay_burst(prompts: list[list[int]], outputs: list[list[int]], verify: Cos
             left = budgets[i] - produced[i]
             copy = indexes[i].copy(draft_budget("auto", MAX_CHAIN, left))
             copies.append(copy.tokens)
-            inputs.append(PlanInput.of_copy(copy, alpha=0.0, cap=0, remaining=left))
+            request = PlanInput.of_copy(copy, alpha=0.0, cap=0, remaining=left)
+            if foresight:
+                held = _held(copy.tokens, outputs[i][produced[i]:])
+                request = replace(request, ngram_survival=(1.0,) * held + (0.0,) * (len(copy.tokens) - held))
+            inputs.append(request)
         lengths = []
         for i, copy, choice in zip(active, copies, planner(inputs, verify, sliced)):
             drafted = copy[: choice.gamma] if choice.mode == "ngram" else []
-            out, at, held = outputs[i], produced[i], 0
-            while held < len(drafted) and at + held < len(out) and drafted[held] == out[at + held]:
-                held += 1
-            produced[i] = min(len(out), at + held + 1)
+            at = produced[i]
+            held = _held(drafted, outputs[i][at:])
+            produced[i] = min(len(outputs[i]), at + held + 1)
+            verified += len(drafted)
             copied += produced[i] - at - 1
             lengths.append(1 + len(drafted))
         planned_s += _seconds(lengths, verify, sliced)
         steps += 1
     tokens = sum(max(0, len(out) - 1) for out in outputs)
-    return Replay(len(prompts), tokens, copied, steps, ar_steps, ar_s, planned_s)
+    return Replay(len(prompts), tokens, copied, steps, verified, ar_steps, ar_s, planned_s)
+
+
+def _held(drafted: list[int], rest: list[int]) -> int:
+    """How many of ``drafted``'s first tokens ar's output ``rest`` confirms (the last output token is the
+    target's own, never a copy's)."""
+    held = 0
+    while held < len(drafted) and held < len(rest) - 1 and drafted[held] == rest[held]:
+        held += 1
+    return held
 
 
 def _plain(outputs: list[list[int]], verify: CostTable, sliced: bool) -> tuple[float, int]:

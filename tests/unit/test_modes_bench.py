@@ -42,6 +42,10 @@ def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
     replayed = _verdict(list(rows.values()), ["ar", "auto", "filter"],
                         replays={("grounded", 1): SimpleNamespace(ratio=1.8)})
     assert "prefill); the planner's copies replayed on ar's outputs 1.80x (decoding alone, no noise)" in replayed
+    known = _verdict(list(rows.values()), ["ar", "auto", "filter"], replays={("grounded", 1): SimpleNamespace(ratio=1.8)},
+                     foresights={("grounded", 1): SimpleNamespace(ratio=3.0)})
+    # prefill is half of ar's time (cap 2.0): decoding 3x faster leaves 0.5 + 0.5 / 3 of it
+    assert "(decoding alone, no noise); with each copy's yield known 3.00x, 1.50x on whole requests" in known
 
 
 def test_a_decoding_speed_up_counts_on_whole_requests_only_past_the_prefill():

@@ -68,3 +68,17 @@ def test_bad_bursts_are_refused():
         replay_burst([PROMPT], [COPY], CostTable())
     with pytest.raises(ValueError, match="longer than max_new_tokens=4"):
         replay_burst([PROMPT], [COPY], GPU_LIKE, max_new_tokens=4)
+
+
+def test_foresight_verifies_only_tokens_that_hold_and_guessing_pays_for_the_rest():
+    """Copies that break at every renamed token: the guessing planner verifies tokens that fail; told each copy's
+    yield, it verifies only what holds and takes no longer for it."""
+    renamed = [t + 1000 if t % 7 == 0 else t for t in PROMPT[:30]]  # the restated prompt with every 7th token renamed
+    answer = renamed + PROMPT[30:36]
+    guessed = replay_burst([PROMPT], [answer], GPU_LIKE)
+    known = replay_burst([PROMPT], [answer], GPU_LIKE, foresight=True)
+    assert guessed.verified > guessed.copied > 0
+    assert known.verified == known.copied >= guessed.copied
+    assert known.tokens == guessed.tokens and known.planned_s <= guessed.planned_s
+    plain = replay_burst([PROMPT], [answer], PROPORTIONAL, foresight=True)  # even known yields do not pay here
+    assert plain.copied == 0 and plain.ratio == pytest.approx(1.0)
