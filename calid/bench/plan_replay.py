@@ -62,8 +62,8 @@ def replay_burst(prompts: list[list[int]], outputs: list[list[int]], verify: Cos
     """Decode ``prompts`` together (one burst, no request joins later) into their greedy ar ``outputs`` twice: in
     plain steps, and as ``planner`` chooses with n-gram copies. ``max_new_tokens``: each request's budget as the
     server knew it (its tokens left rank it in the planner's cost to go; default: its output's length); ``sliced``:
-    the target splits a batch into slices (llama.cpp); ``foresight``: the planner knows each copy's yield (the
-module's notes)."""
+    the target splits a batch into slices (llama.cpp); ``foresight``: the planner knows each copy's yield (see
+    the module's notes)."""
     if len(prompts) != len(outputs):
         raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
     if not verify.known:
