@@ -76,37 +76,36 @@ def replay_burst(prompts: list[list[int]], outputs: list[list[int]], verify: Cos
     indexes = [NgramIndex() for _ in prompts]
     planned_s, steps, copied, verified = 0.0, 0, 0, 0
     while active := [i for i, out in enumerate(outputs) if produced[i] < len(out)]:
-        copies, inputs = [], []
+        holds, inputs = [], []  # per active request: how many of its copy's tokens ar's output confirms
         for i in active:
             indexes[i].extend(prompts[i] + outputs[i][: produced[i]])
             left = budgets[i] - produced[i]
             copy = indexes[i].copy(draft_budget("auto", MAX_CHAIN, left))
-            copies.append(copy.tokens)
+            held = _held(copy.tokens, outputs[i][produced[i]:])
+            holds.append(held)
             request = PlanInput.of_copy(copy, alpha=0.0, cap=0, remaining=left)
             if foresight:
-                held = _held(copy.tokens, outputs[i][produced[i]:])
                 request = replace(request, ngram_survival=(1.0,) * held + (0.0,) * (len(copy.tokens) - held))
             inputs.append(request)
         lengths = []
-        for i, copy, choice in zip(active, copies, planner(inputs, verify, sliced)):
-            drafted = copy[: choice.gamma] if choice.mode == "ngram" else []
+        for i, held, choice in zip(active, holds, planner(inputs, verify, sliced)):
+            drafted = choice.gamma if choice.mode == "ngram" else 0  # a prefix of the copy
             at = produced[i]
-            held = _held(drafted, outputs[i][at:])
-            produced[i] = min(len(outputs[i]), at + held + 1)
-            verified += len(drafted)
+            produced[i] = min(len(outputs[i]), at + min(held, drafted) + 1)
+            verified += drafted
             copied += produced[i] - at - 1
-            lengths.append(1 + len(drafted))
+            lengths.append(1 + drafted)
         planned_s += _seconds(lengths, verify, sliced)
         steps += 1
     tokens = sum(max(0, len(out) - 1) for out in outputs)
     return Replay(len(prompts), tokens, copied, steps, verified, ar_steps, ar_s, planned_s)
 
 
-def _held(drafted: list[int], rest: list[int]) -> int:
-    """How many of ``drafted``'s first tokens ar's output ``rest`` confirms (the last output token is the
+def _held(copy: list[int], rest: list[int]) -> int:
+    """How many of ``copy``'s first tokens ar's output ``rest`` confirms (the last output token is the
     target's own, never a copy's)."""
     held = 0
-    while held < len(drafted) and held < len(rest) - 1 and drafted[held] == rest[held]:
+    while held < len(copy) and held < len(rest) - 1 and copy[held] == rest[held]:
         held += 1
     return held
 
