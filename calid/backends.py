@@ -48,6 +48,17 @@ def cpu_summary() -> str:
     return "cpu flags: " + (" ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted))
 
 
+@lru_cache(maxsize=1)
+def cpu_identity() -> str:
+    """This machine's CPU model and all its flags: what a timing verdict kept on disk is valid for."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else 'unknown cpu'} {' '.join(sorted(cpu_flags()))}"
+
+
 def native_bf16() -> bool:
     return any(f in cpu_flags() for f in NATIVE_BF16_FLAGS)
 
@@ -140,22 +151,31 @@ class OpenModel:
 def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
                log=None, graphs: str = "off", invariant: bool | None = None,
-               prompt_cache: bool = True) -> OpenModel:
+               prompt_cache: bool = True, weights: str = "as-is") -> OpenModel:
     """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why. ``graphs``: a
     torch model's decode graphs (ModelRunner's ``graphs``); ``invariant``: batch-invariant forwards (a row's
     logits depend only on its own sequence): a torch ModelRunner's ``invariant``, a llama.cpp runner's exact
     mode (forwards cut into calls of at most 3 rows); None: each backend's default (llama.cpp exact, torch
     not). ``prompt_cache``: a batched llama.cpp runner keeps released streams for the prefixes of later
-    sequences (LlamaCppRunner; never in exact mode)."""
+    sequences (LlamaCppRunner; never in exact mode). ``weights``: a llama.cpp model's weights as shipped or
+    a faster copy (calid.models.draft_weights; drafts only: a target's numbers are its own); a torch model
+    has only its own (auto and as-is load it, q4_0 is an error)."""
+    from calid.models.draft_weights import check_choice
+
+    check_choice(weights)
     chosen, why = pick_backend(backend, spec, device)
     say = log or (lambda line: print(line, file=sys.stderr))
+    if weights == "q4_0" and chosen != "llamacpp":
+        raise BackendError(f"draft_weights q4_0 applies to llama.cpp models; {spec} runs on {chosen}")
     if chosen == "llamacpp":
+        from calid.models.draft_weights import draft_weights
         from calid.models.gguf_meta import gguf_companion
         from calid.models.loader import eos_token_ids, load_tokenizer
-        from calid.runtime.llamacpp import LlamaCppRunner
+        from calid.runtime.llamacpp import LlamaCppRunner, default_threads
 
         gguf = gguf_file(spec, show_progress)
         folder = gguf_companion(spec, gguf)
+        gguf = draft_weights(gguf, weights, threads or default_threads(), cpu_identity(), say)
         exact = invariant is not False
         runner = LlamaCppRunner(gguf, kv_budget_bytes, threads, exact=exact, prompt_cache=prompt_cache and not exact)
         tokenizer = load_tokenizer(folder)
@@ -175,10 +195,12 @@ def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: st
 
 def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
-               log=None, invariant: bool | None = None, prompt_cache: bool = True) -> OpenModel:
+               log=None, invariant: bool | None = None, prompt_cache: bool = True,
+               weights: str = "auto") -> OpenModel:
     """A draft for ``target`` (an OpenModel, or the target's spec where it runs elsewhere): a model spec,
     or ``self:N``, the target's first N layers, always on torch (llama.cpp cannot run a subset of a
-    model's layers)."""
+    model's layers). ``weights``: a llama.cpp draft's weights as shipped, as a Q4_0 copy, or (auto) the
+    faster of the two here (calid.models.draft_weights)."""
     from calid.models.self_draft import parse_self_draft, self_draft
     from calid.runtime.runner import ModelRunner
 
@@ -186,7 +208,7 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
     layers = parse_self_draft(spec)
     if layers is None:
         draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log,
-                           invariant=invariant, prompt_cache=prompt_cache)
+                           invariant=invariant, prompt_cache=prompt_cache, weights=weights)
         if isinstance(target, OpenModel):
             check_vocab(target, draft)
         return draft

@@ -163,10 +163,11 @@ def decode_params(args):
 
 def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                  max_batch: int = 8, extra_specs: list[str] | tuple = (), draft_backend: str | None = None,
-                 invariant: bool | None = None, max_forward_tokens: int | None = None):
+                 invariant: bool | None = None, max_forward_tokens: int | None = None, draft_weights: str = "auto"):
     """Engine over an opened target (calid.backends.OpenModel), an optional draft and extra tree drafters
     (model specs, or self:N). ``draft_backend`` defaults to ``backend``; ``max_forward_tokens``: SARATHI's
-    budget per forward (needed when many prompts start together: llama.cpp refuses a forward over its batch)."""
+    budget per forward (needed when many prompts start together: llama.cpp refuses a forward over its batch);
+    ``draft_weights``: calid.models.draft_weights."""
     from calid.backends import open_draft
     from calid.engine import Engine
 
@@ -174,7 +175,8 @@ def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: s
         raise CalidError("--extra-draft needs a main --draft")
 
     def runner(spec: str):
-        return open_draft(spec, target, draft_backend or backend, dtype, device, invariant=invariant).runner
+        return open_draft(spec, target, draft_backend or backend, dtype, device, invariant=invariant,
+                          weights=draft_weights).runner
 
     return Engine(target.runner, target.tokenizer, target.eos_ids,
                   draft=runner(draft_spec) if draft_spec else None, max_batch=max_batch,
@@ -183,10 +185,14 @@ def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: s
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     from calid.backends import BACKENDS, DTYPE_CHOICES
+    from calid.models.draft_weights import CHOICES as DRAFT_WEIGHTS
 
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto (default): llama.cpp on CPU for GGUF models, torch on CUDA and for model folders")
     p.add_argument("--draft-backend", default=None, choices=BACKENDS, help="the draft's backend (default: --backend)")
+    p.add_argument("--draft-weights", default="auto", choices=DRAFT_WEIGHTS,
+                   help="a llama.cpp draft's weights: as-is, q4_0 (a Q4_0 copy, made once), or auto (default): "
+                        "the faster of the two on this machine, timed once")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="torch dtype; auto (default): bf16 on CUDA and on CPUs with native bf16, else fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -241,7 +247,8 @@ def cmd_generate(args) -> int:
     lm = open_model(args.model, args.backend, args.dtype, args.device, invariant=args.batch_invariant)
     engine = build_engine(lm, args.draft if decode.uses_draft else None, args.backend, args.dtype, args.device,
                           extra_specs=args.extra_draft if decode.mode == "tree" else (),
-                          draft_backend=args.draft_backend, invariant=args.batch_invariant)
+                          draft_backend=args.draft_backend, invariant=args.batch_invariant,
+                          draft_weights=args.draft_weights)
     if decode.min_agreement is not None:
         from calid.decoding.budget import starting_table
 

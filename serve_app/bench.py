@@ -83,7 +83,7 @@ def run(args) -> int:
     target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant,
                         prompt_cache=cfg.prompt_cache)
     draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant,
-                       prompt_cache=cfg.prompt_cache)
+                       prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights)
     engine = Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=args.concurrency,
                     max_forward_tokens=cfg.max_forward_tokens)
     texts = humaneval_prompts(max(n, args.concurrency))

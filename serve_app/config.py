@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from calid.decoding.modes import MODES
 from calid.errors import CalidError
+from calid.models.draft_weights import CHOICES as DRAFT_WEIGHTS
 from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, TEST_MODEL
 from calid.models.self_draft import parse_self_draft
 
@@ -119,6 +120,9 @@ class AppConfig(BaseModel):
     target_backend: str = Field("auto", description="auto: llama.cpp on CPU for GGUF models, torch on CUDA, "
                                 "for TP/PP groups and for model folders; or torch / llamacpp")
     draft_backend: str = Field("auto", description="as target_backend, for the draft (self:N always runs on torch)")
+    draft_weights: str = Field("auto", description="a llama.cpp draft's weights: as-is (the GGUF as shipped), q4_0 "
+                               "(a Q4_0 copy, made once), or auto: the faster of the two on this machine, timed "
+                               "once (calid.models.draft_weights)")
     default_mode: str | None = None  # None: speculative with a draft, ar without
     agreement_audit_every: int = Field(8, ge=0, description="filter requests without a quality budget whose draft "
                                        "tokens the target compares with its own top-1 as it catches up (one in this "
@@ -214,6 +218,8 @@ class AppConfig(BaseModel):
         for role in ("target_backend", "draft_backend"):
             if getattr(self, role) not in ("auto", "torch", "llamacpp"):
                 raise ValueError(f"{role} must be auto, torch or llamacpp, got {getattr(self, role)!r}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
         if self.target_backend == "llamacpp" and self.target_tp * self.target_pp > 1:
             raise ValueError("tensor/pipeline-parallel target groups run on torch: set target_backend to auto or torch")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -99,7 +99,7 @@ def run(args) -> int:
     target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant,
                         prompt_cache=cfg.prompt_cache)
     draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant,
-                       prompt_cache=cfg.prompt_cache)
+                       prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights)
     engine = None if args.no_inproc else Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner,
                                                 max_batch=top, max_forward_tokens=cfg.max_forward_tokens)
     texts = {"humaneval": humaneval_prompts(top), "grounded": grounded_prompts(top)}
