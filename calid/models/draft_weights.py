@@ -138,6 +138,14 @@ def _write_verdict(path: Path, key: str, verdict: dict) -> None:
     os.replace(tmp, path)
 
 
+def _copy_or_none(gguf: Path, threads: int, say: Callable[[str], None]) -> Path | None:
+    try:
+        return make_q4_0(gguf, threads)
+    except (DraftWeightsError, OSError) as e:
+        say(f"[calid] draft weights: keeping {gguf.name} as shipped ({e})")
+        return None
+
+
 def draft_weights(gguf: Path, choice: str, threads: int, cpu: str,
                   say: Callable[[str], None] = lambda line: None) -> Path:
     """The GGUF the draft should load for ``choice`` (CHOICES); ``cpu`` names this machine's CPU for auto's
@@ -151,10 +159,8 @@ def draft_weights(gguf: Path, choice: str, threads: int, cpu: str,
     key = _verdict_key(gguf, threads, cpu)
     verdict = _read_verdicts(verdicts).get(key)
     if verdict is None:
-        try:
-            copy = make_q4_0(gguf, threads)
-        except (DraftWeightsError, OSError) as e:
-            say(f"[calid] draft weights: keeping {gguf.name} as shipped ({e})")
+        copy = _copy_or_none(gguf, threads, say)
+        if copy is None:
             return gguf
         shipped_ms, copy_ms = step_ms([gguf, copy], threads)
         verdict = {"q4_0": faster(shipped_ms, copy_ms),
@@ -166,10 +172,8 @@ def draft_weights(gguf: Path, choice: str, threads: int, cpu: str,
     if not verdict["q4_0"]:
         say(f"[calid] draft weights: {gguf.name} as shipped (a Q4_0 copy is not 5% faster here: {timing})")
         return gguf
-    try:
-        copy = make_q4_0(gguf, threads)  # made when timed; made again if it was deleted since
-    except (DraftWeightsError, OSError) as e:
-        say(f"[calid] draft weights: keeping {gguf.name} as shipped ({e})")
+    copy = _copy_or_none(gguf, threads, say)  # made when timed; made again if it was deleted since
+    if copy is None:
         return gguf
     say(f"[calid] draft weights: a Q4_0 copy of {gguf.name}, faster on this CPU ({timing}; "
         "draft_weights=as-is keeps the shipped file)")
