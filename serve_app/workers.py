@@ -284,7 +284,7 @@ class TargetDeployment(_WorkerBase):
             return
         lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,
                         show_progress=False, log=_log, graphs="cuda" if cfg.cuda_graphs else "off",
-                        invariant=cfg.batch_invariant, prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights)
+                        invariant=cfg.batch_invariant, prompt_cache=cfg.prompt_cache)
         self._runner = lm.runner
         self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)
 
