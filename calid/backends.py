@@ -31,14 +31,21 @@ class BackendError(CalidError):
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo (none where the file cannot be read)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+            key, sep, value = line.partition(":")
+            if sep:
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def cpu_summary() -> str:
@@ -48,15 +55,9 @@ def cpu_summary() -> str:
     return "cpu flags: " + (" ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted))
 
 
-@lru_cache(maxsize=1)
 def cpu_identity() -> str:
     """This machine's CPU model and all its flags: what a timing verdict kept on disk is valid for."""
-    try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else 'unknown cpu'} {' '.join(sorted(cpu_flags()))}"
+    return f"{_cpuinfo().get('model name', 'unknown cpu')} {' '.join(sorted(cpu_flags()))}"
 
 
 def native_bf16() -> bool:
@@ -151,37 +152,19 @@ class OpenModel:
 def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
                log=None, graphs: str = "off", invariant: bool | None = None,
-               prompt_cache: bool = True, weights: str = "as-is") -> OpenModel:
+               prompt_cache: bool = True) -> OpenModel:
     """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why. ``graphs``: a
     torch model's decode graphs (ModelRunner's ``graphs``); ``invariant``: batch-invariant forwards (a row's
     logits depend only on its own sequence): a torch ModelRunner's ``invariant``, a llama.cpp runner's exact
     mode (forwards cut into calls of at most 3 rows); None: each backend's default (llama.cpp exact, torch
     not). ``prompt_cache``: a batched llama.cpp runner keeps released streams for the prefixes of later
-    sequences (LlamaCppRunner; never in exact mode). ``weights``: a llama.cpp model's weights as shipped or
-    a faster copy (calid.models.draft_weights; drafts only: a target's numbers are its own); a torch model
-    has only its own (auto and as-is load it, q4_0 is an error)."""
-    from calid.models.draft_weights import check_choice
-
-    check_choice(weights)
+    sequences (LlamaCppRunner; never in exact mode). A model opened here reads its weights as shipped; only
+    ``open_draft`` may swap a draft's for a faster copy."""
     chosen, why = pick_backend(backend, spec, device)
-    say = log or (lambda line: print(line, file=sys.stderr))
-    if weights == "q4_0" and chosen != "llamacpp":
-        raise BackendError(f"draft_weights q4_0 applies to llama.cpp models; {spec} runs on {chosen}")
+    say = _say(log)
     if chosen == "llamacpp":
-        from calid.models.draft_weights import draft_weights
-        from calid.models.gguf_meta import gguf_companion
-        from calid.models.loader import eos_token_ids, load_tokenizer
-        from calid.runtime.llamacpp import LlamaCppRunner, default_threads
-
         gguf = gguf_file(spec, show_progress)
-        folder = gguf_companion(spec, gguf)
-        gguf = draft_weights(gguf, weights, threads or default_threads(), cpu_identity(), say)
-        exact = invariant is not False
-        runner = LlamaCppRunner(gguf, kv_budget_bytes, threads, exact=exact, prompt_cache=prompt_cache and not exact)
-        tokenizer = load_tokenizer(folder)
-        say(f"[calid] {spec}: llama.cpp ({why}), {runner.describe()}")
-        return OpenModel(spec, "llamacpp", "gguf", runner, tokenizer, eos_token_ids(folder, tokenizer), folder,
-                         runner.weight_bytes)
+        return _open_gguf(spec, gguf, gguf, why, say, kv_budget_bytes, threads, invariant, prompt_cache)
     from calid.models.loader import load_model
     from calid.runtime.runner import ModelRunner
 
@@ -193,6 +176,27 @@ def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: st
     return OpenModel(lm.name, "torch", dt, runner, lm.tokenizer, lm.eos_ids, lm.path, lm.decode_read_bytes, lm)
 
 
+def _say(log):
+    return log or (lambda line: print(line, file=sys.stderr))
+
+
+def _open_gguf(spec: str, shipped: Path, weights: Path, why: str, say, kv_budget_bytes: int | None,
+               threads: int | None, invariant: bool | None, prompt_cache: bool) -> OpenModel:
+    """``spec`` on llama.cpp, reading ``weights`` (the shipped GGUF, or a draft's copy of it); the tokenizer
+    and config always come from the shipped file."""
+    from calid.models.gguf_meta import gguf_companion
+    from calid.models.loader import eos_token_ids, load_tokenizer
+    from calid.runtime.llamacpp import LlamaCppRunner
+
+    folder = gguf_companion(spec, shipped)
+    exact = invariant is not False
+    runner = LlamaCppRunner(weights, kv_budget_bytes, threads, exact=exact, prompt_cache=prompt_cache and not exact)
+    tokenizer = load_tokenizer(folder)
+    say(f"[calid] {spec}: llama.cpp ({why}), {runner.describe()}")
+    return OpenModel(spec, "llamacpp", "gguf", runner, tokenizer, eos_token_ids(folder, tokenizer), folder,
+                     runner.weight_bytes)
+
+
 def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
                log=None, invariant: bool | None = None, prompt_cache: bool = True,
@@ -201,19 +205,31 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
     or ``self:N``, the target's first N layers, always on torch (llama.cpp cannot run a subset of a
     model's layers). ``weights``: a llama.cpp draft's weights as shipped, as a Q4_0 copy, or (auto) the
     faster of the two here (calid.models.draft_weights)."""
+    from calid.models.draft_weights import check_choice, draft_weights
     from calid.models.self_draft import parse_self_draft, self_draft
     from calid.runtime.runner import ModelRunner
 
-    say = log or (lambda line: print(line, file=sys.stderr))
+    check_choice(weights)
+    say = _say(log)
     layers = parse_self_draft(spec)
+    if layers is not None and backend == "llamacpp":
+        raise BackendError("a self-draft (self:N) runs on torch: llama.cpp cannot run a subset of a model's layers")
+    chosen, why = ("torch", "self-draft") if layers is not None else pick_backend(backend, spec, device)
+    if weights == "q4_0" and chosen != "llamacpp":
+        raise BackendError(f"draft_weights q4_0 applies to llama.cpp models; {spec} runs on {chosen}")
     if layers is None:
-        draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log,
-                           invariant=invariant, prompt_cache=prompt_cache, weights=weights)
+        if chosen == "llamacpp":
+            from calid.runtime.llamacpp import default_threads
+
+            shipped = gguf_file(spec, show_progress)
+            read = draft_weights(shipped, weights, threads or default_threads(), cpu_identity(), say)
+            draft = _open_gguf(spec, shipped, read, why, say, kv_budget_bytes, threads, invariant, prompt_cache)
+        else:
+            draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log,
+                               invariant=invariant, prompt_cache=prompt_cache)
         if isinstance(target, OpenModel):
             check_vocab(target, draft)
         return draft
-    if backend == "llamacpp":
-        raise BackendError("a self-draft (self:N) runs on torch: llama.cpp cannot run a subset of a model's layers")
     loaded = target.loaded if isinstance(target, OpenModel) else None
     target_name = target.name if isinstance(target, OpenModel) else target
     dt = pick_dtype(dtype, device)

@@ -54,6 +54,7 @@ def test_auto_times_both_files_and_serves_a_draft_that_proves_ar(shipped, home):
     target = open_model(TEST_MODEL, backend="llamacpp", **QUIET)
     draft = open_draft(TEST_MODEL, target, backend="llamacpp", weights="q4_0", **QUIET)
     assert draft.runner.path == dw.q4_0_path(shipped)
+    assert target.runner.path.name == shipped.name  # a target reads its GGUF as shipped, a copy on disk or not
     engine = Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=2)
     ids = encode_prompt(target.tokenizer, "Write a Python function that checks whether a number is prime.")
     out = {m: engine.generate([GenerationRequest(list(ids), SamplingParams(max_new_tokens=24),
@@ -65,3 +66,5 @@ def test_auto_times_both_files_and_serves_a_draft_that_proves_ar(shipped, home):
 def test_a_torch_draft_has_no_q4_0_copy(smol):
     with pytest.raises(BackendError, match="draft_weights q4_0 applies to llama.cpp models"):
         open_draft(TEST_MODEL, TEST_MODEL, backend="torch", dtype="fp32", weights="q4_0", **QUIET)
+    with pytest.raises(BackendError, match="self:2 runs on torch"):
+        open_draft("self:2", TEST_MODEL, dtype="fp32", weights="q4_0", **QUIET)
