@@ -48,7 +48,9 @@ def start_ray(num_cpus: int | None = None, dashboard: bool = True) -> str | None
     loopback_env()
     import ray
 
+    global _owned
     if not ray.is_initialized():
+        _owned = True
         ctx = ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
                        dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False,
                        configure_logging=True, logging_level="warning")
@@ -58,6 +60,7 @@ def start_ray(num_cpus: int | None = None, dashboard: bool = True) -> str | None
 
 
 _fronts: list = []  # TLS fronts started by serve_app, stopped by shutdown
+_owned = False  # this process started the running Ray (start_ray), so shutdown ends it whole
 
 
 def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True) -> str | None:
@@ -97,10 +100,28 @@ def free_port() -> int:
 
 
 def shutdown() -> None:
+    """Stop the app and Ray. On a Ray this process started, every application is deleted (its replicas stop
+    gracefully) and Ray's shutdown then ends Serve's controller and proxies with the rest of the cluster:
+    ``serve.shutdown()`` there leaves its own call to the controller in flight while the controller kills
+    itself, and Ray prints that as a failed task ("ServeController.graceful_shutdown failed ... killed by
+    ray.kill") at the end of every demo and benchmark. On a Ray started elsewhere, Serve is shut down in it."""
+    global _owned
     import ray
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     while _fronts:
         _fronts.pop().stop()
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        if _owned and ray.is_initialized():
+            try:
+                apps = list(serve.status().applications)
+            except RayServeException:  # Serve never started here
+                apps = []
+            for name in apps:
+                serve.delete(name)
+        else:
+            serve.shutdown()
+    finally:  # whatever the deletion met, Ray ends
+        _owned = False
+        ray.shutdown()
