@@ -113,8 +113,10 @@ class TargetGroup:
             if isinstance(e, RayTaskError) and not self._broken(e):
                 raise  # an error of these tasks (the router isolates its request); the group is fine
             self.shutdown()
-            raise GroupFailed(f"a shard of the {self.tp}x{self.pp} (TP x PP) target group died or lost its peers "
-                              f"({e.__class__.__name__}); the group was torn down and is rebuilt on the next call") from e
+            raise GroupFailed(
+                f"a shard of the {self.tp}x{self.pp} (TP x PP) target group died or lost its peers "
+                f"({e.__class__.__name__}); the group was torn down and is rebuilt on the next call"
+            ) from e
 
     def _broken(self, e: RayTaskError) -> bool:
         """Whether a shard's error means the group cannot go on: a collective failed (a peer's process or node

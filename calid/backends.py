@@ -239,9 +239,17 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
         say(f"[calid] {spec} of {target_name}: torch {dt} (llama.cpp cannot run a subset of a model's layers)")
         loaded = load_model(target_name, dt, device, show_progress)
     model = self_draft(loaded.model, layers)
-    return OpenModel(f"self:{layers} of {target_name}", "torch", dt, ModelRunner(model, kv_budget_bytes, invariant=bool(invariant)),
-                     loaded.tokenizer, loaded.eos_ids, loaded.path,
-                     loaded.decode_read_bytes * layers // max(1, loaded.config.num_layers), loaded)
+    return OpenModel(
+        f"self:{layers} of {target_name}",
+        "torch",
+        dt,
+        ModelRunner(model, kv_budget_bytes, invariant=bool(invariant)),
+        loaded.tokenizer,
+        loaded.eos_ids,
+        loaded.path,
+        loaded.decode_read_bytes * layers // max(1, loaded.config.num_layers),
+        loaded,
+    )
 
 
 def check_vocab(target: OpenModel, draft: OpenModel) -> None:

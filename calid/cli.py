@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text, streaming to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=DEFAULT_TARGET, help=f"preset, model folder, .gguf or hub id (default {DEFAULT_TARGET})")
+    gen.add_argument(
+        "--model", default=DEFAULT_TARGET, help=f"preset, model folder, .gguf or hub id (default {DEFAULT_TARGET})"
+    )
     add_sampling_args(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_decode_args(gen)
@@ -137,7 +139,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="filter: a quality budget instead of --threshold: the share of output tokens in (0, 1] that "
                         "must equal the target's top-1; the threshold follows from the pair's calibration "
                         "(calid bench quality) and moves to hold it (implies --mode filter)")
-    p.add_argument("--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone")
+    p.add_argument(
+        "--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone"
+    )
     p.add_argument("--adaptive", action="store_true", help="LLMCad-style self-adaptive threshold")
     p.add_argument("--tree-width", type=int, default=3, help="tree: tokens tried where the draft is unsure")
     p.add_argument("--tree-chains", type=int, default=1, help="tree: draft chains merged by common prefix (SpecInfer)")

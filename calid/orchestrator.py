@@ -444,8 +444,11 @@ class Orchestrator:
 
     def round_budget(self, req: GenerationRequest, produced: int = 0) -> int:
         """Most draft tokens an edge client's next round may carry, ``produced`` tokens into the output."""
-        return draft_budget(req.decode.mode, req.decode.gamma,
-                            min(req.params.max_new_tokens - produced, self.max_position - len(req.prompt_ids) - produced))
+        return draft_budget(
+            req.decode.mode,
+            req.decode.gamma,
+            min(req.params.max_new_tokens - produced, self.max_position - len(req.prompt_ids) - produced),
+        )
 
     @staticmethod
     def _adapt(s: RequestState, accepted: int, proposed: int) -> None:

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Set up .venv (first run: a few minutes) and run the test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow`.
+# Set up .venv (first run: a few minutes), lint with ruff, and run the tests.
+#   bash scripts/test.sh          the whole suite, as CI runs it (slow tests deselected: -m slow runs them)
+#   bash scripts/test.sh fast     the fast loop: every test that needs no Ray and no model (under 3 minutes)
+# Other arguments go to pytest, e.g. `bash scripts/test.sh -m slow` or `bash scripts/test.sh tests/unit -k tree`.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 export RAY_AUTH_MODE=disabled
+echo "[test] ruff check (pyproject.toml [tool.ruff])"
+ruff check --quiet . || { echo "[test] ruff found problems (above); 'ruff check --fix .' mends some" >&2; exit 1; }
+if [ "${1:-}" = "fast" ]; then
+    shift
+    export HYPOTHESIS_PROFILE=fast
+    exec python -m pytest -m "not slow and not ray and not model and not multinode and not gpu" "$@"
+fi
 exec python -m pytest "$@"

@@ -155,12 +155,24 @@ def run(args) -> int:
                 serving, fwd = _serving_ms(cfg, before, t_local)
                 bar.update(1)
                 k = args.concurrency
-                rows.append({"mode": mode, "concurrency": k, "requests": k, "tokens": k * new,
-                             "grpc_tok_s": k * new / t_grpc, "inproc_tok_s": k * new / t_local, "ratio": t_local / t_grpc,
-                             "overhead_ms_p50": (t_grpc - t_local) * 1000, "ingress_ms_p50": "-", "per_step_ms_p50": "-",
-                             "serving_ms_per_step": serving, "fwd_vs_inproc": fwd,
-                             "same_tokens": f"{sum(r.token_ids == o.output_ids for r, o in zip(remote_out, local_out))}/{k}",
-                             "limit_tok_s": k * limit1})
+                rows.append(
+                    {
+                        "mode": mode,
+                        "concurrency": k,
+                        "requests": k,
+                        "tokens": k * new,
+                        "grpc_tok_s": k * new / t_grpc,
+                        "inproc_tok_s": k * new / t_local,
+                        "ratio": t_local / t_grpc,
+                        "overhead_ms_p50": (t_grpc - t_local) * 1000,
+                        "ingress_ms_p50": "-",
+                        "per_step_ms_p50": "-",
+                        "serving_ms_per_step": serving,
+                        "fwd_vs_inproc": fwd,
+                        "same_tokens": f"{sum(r.token_ids == o.output_ids for r, o in zip(remote_out, local_out))}/{k}",
+                        "limit_tok_s": k * limit1,
+                    }
+                )
     finally:
         shutdown()
     meta = {"target": cfg.target, "draft": cfg.draft, "new_tokens": new, "bandwidth_GBps": round(bandwidth, 1),
@@ -179,7 +191,8 @@ def run(args) -> int:
         "fwd_vs_inproc = the workers' forward time serving these requests / the in-process run's whole time: above "
         "1, the served forwards themselves ran slower (on a small machine they share its cores with the client, "
         "the gRPC proxy and the router)",
-        f"limit = bandwidth {bandwidth:.1f} GB/s / target weight bytes per step {target.decode_read_bytes / 1e9:.2f} GB "
+        f"limit = bandwidth {bandwidth:.1f} GB/s / target weight bytes per step "
+        f"{target.decode_read_bytes / 1e9:.2f} GB "
         "(x concurrency for a batch that reads the weights once per step)",
         "same_tokens counts greedy outputs identical token for token on both paths",
     ]

@@ -130,7 +130,9 @@ class AppConfig(BaseModel):
                                        "moving. Requests with min_agreement are always audited (a few extra logits "
                                        "rows per target call)")
     max_active: int = Field(16, ge=1, description="requests one router decodes at once")
-    queue_capacity: int = Field(64, ge=0, description="admitted requests waiting for a slot; more -> RESOURCE_EXHAUSTED")
+    queue_capacity: int = Field(
+        64, ge=0, description="admitted requests waiting for a slot; more -> RESOURCE_EXHAUSTED"
+    )
     kv_budget_mb: int | None = Field(2048, ge=1)
     max_forward_tokens: int | None = Field(256, ge=1, description="SARATHI: token budget of one target forward; "
                                            "long prompts are prefilled in chunks beside the running decodes")
@@ -140,7 +142,12 @@ class AppConfig(BaseModel):
                                 "run, and tokens stream a run at a time; a request arriving meanwhile ends the run "
                                 "after its current forward. 0: one token per call")
     request_timeout_s: float = Field(600.0, gt=0)
-    worker_call_retries: int = Field(8, ge=0, description="retries of a failed draft/target call (backoff 0.2 s doubling, at most 2 s; ~11 s in all, enough for a replica restart) before UNAVAILABLE")
+    worker_call_retries: int = Field(
+        8,
+        ge=0,
+        description="retries of a failed draft/target call (backoff 0.2 s doubling, at most 2 s; ~11 "
+                    "s in all, enough for a replica restart) before UNAVAILABLE",
+    )
     router_num_cpus: float = Field(0.1, ge=0)
     draft_num_cpus: float = Field(0.5, ge=0)
     target_num_cpus: float = Field(0.5, ge=0)
@@ -153,7 +160,9 @@ class AppConfig(BaseModel):
                                              "stages overlap (None: one per stage)")
     worker_threads: int | None = Field(None, ge=1, description="torch threads per worker replica (None: all cores; "
                                        "Ray would otherwise limit a fractional-CPU replica to 1)")
-    draft_resources: dict[str, float] = Field(default_factory=dict, description="custom resources, e.g. {draft_node: 0.01}")
+    draft_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom resources, e.g. {draft_node: 0.01}"
+    )
     target_resources: dict[str, float] = Field(default_factory=dict, description="custom resources of target "
                                                 "replicas and of every shard of a TP x PP group")
     max_replicas_per_node: int | None = Field(None, ge=1, description="draft and target replicas of this app per "
@@ -232,7 +241,9 @@ class AppConfig(BaseModel):
         if self.batch_invariant and (self.cuda_graphs or self.sharded):
             raise ValueError("batch_invariant is not built for CUDA graphs or TP/PP target groups")
         if self.cuda_graphs and (self.target_on != "cuda" or self.sharded):
-            raise ValueError("cuda_graphs needs an unsharded target on cuda (target_device: cuda, target_tp = target_pp = 1)")
+            raise ValueError(
+                "cuda_graphs needs an unsharded target on cuda (target_device: cuda, target_tp = target_pp = 1)"
+            )
         if self.draft_device == "cuda":
             raise ValueError("draft replicas are given no GPU in this app: draft_device must be cpu")
         if self.draft is not None:
@@ -353,7 +364,10 @@ def check_models(cfg: AppConfig) -> dict:
     if cfg.draft is not None and parse_self_draft(cfg.draft) is None:
         draft = facts_of(cfg.draft, cfg.draft_backend, cfg.draft_on)
         (_, t_dir, t_cfg), (_, d_dir, d_cfg) = facts["target"], draft
-        if t_cfg.vocab_size != d_cfg.vocab_size or load_tokenizer(t_dir).get_vocab() != load_tokenizer(d_dir).get_vocab():
+        if (
+            t_cfg.vocab_size != d_cfg.vocab_size
+            or load_tokenizer(t_dir).get_vocab() != load_tokenizer(d_dir).get_vocab()
+        ):
             raise ConfigError(f"draft {cfg.draft} and target {cfg.target} have different tokenizers "
                               f"({d_cfg.vocab_size} vs {t_cfg.vocab_size} tokens); a draft must share the target's "
                               "vocabulary")

@@ -71,15 +71,22 @@ async def _probes(args) -> list[tuple[str, str, float, str]]:
             by_code.setdefault(code, []).append(secs)
         refused = by_code.get("RESOURCE_EXHAUSTED", [])
         served = by_code.get("OK", [])
-        rows.append((f"{args.burst} concurrent Generate calls",
-                     ", ".join(f"{len(v)} {k}" for k, v in sorted(by_code.items())),
-                     max(s for _, s in outcomes),
-                     f"refusals p50 {_ms(refused)}, max {_ms(refused, max)}; served p50 {statistics.median(served) if served else 0:.1f} s"))
+        rows.append(
+            (
+                f"{args.burst} concurrent Generate calls",
+                ", ".join(f"{len(v)} {k}" for k, v in sorted(by_code.items())),
+                max(s for _, s in outcomes),
+                f"refusals p50 {_ms(refused)}, max {_ms(refused, max)}; served p50 "
+                f"{statistics.median(served) if served else 0:.1f} s",
+            )
+        )
 
         # 2. oversized prompt, with Health probed meanwhile
         big = "a " * int(args.prompt_mb * 2**20 / 2)
         (code, secs), worst = await health_latency(timed(c.generate(big, max_new_tokens=4)))
-        rows.append((f"a {args.prompt_mb:g} MB prompt", code, secs, f"Health answered within {worst * 1000:.0f} ms meanwhile"))
+        rows.append(
+            (f"a {args.prompt_mb:g} MB prompt", code, secs, f"Health answered within {worst * 1000:.0f} ms meanwhile")
+        )
 
         # 3. absurd output length, 4. huge stop strings
         code, secs = await timed(c.generate("hi", max_new_tokens=2**32 - 1))

@@ -98,9 +98,13 @@ def run(args) -> int:
                             args.max_new_tokens)
     trace_prompts = [tokenizer.decode(ids) for ids in load.cut_prompts(corpus, [r.prompt_tokens for r in trace])]
     sweep_prompts = [tokenizer.decode(ids) for ids in load.cut_prompts(corpus, [args.max_prompt_tokens] * 64)]
-    print(f"bench load: target {cfg.target}, draft {cfg.draft}; modes {modes}; concurrency {sweep}; trace "
-          f"replays of ~{args.trace_seconds:g} s at {rates}; <= {args.max_prompt_tokens} prompt / {args.max_new_tokens} new tokens "
-          f"(EOS ignored), greedy; {cpu_summary()}", file=sys.stderr)
+    print(
+        f"bench load: target {cfg.target}, draft {cfg.draft}; modes {modes}; concurrency {sweep}; trace "
+        f"replays of ~{args.trace_seconds:g} s at {rates}; <= {args.max_prompt_tokens} prompt / "
+        f"{args.max_new_tokens} new tokens "
+        f"(EOS ignored), greedy; {cpu_summary()}",
+        file=sys.stderr,
+    )
     serve_app(cfg, dashboard=False)
     runs: dict[tuple[str, str], list] = {}
     shares: dict[tuple[str, str], float] = {}  # the share of the router's step time spent in draft calls

@@ -363,13 +363,17 @@ def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None, rep
                 if r["concurrency"] == 1:
                     line += f", {_whole(bound, r['prefill_cap']):.2f}x on whole requests"
             if r["mode"] == "auto" and (replay := (replays or {}).get((r["workload"], r["concurrency"]))):
-                line += f"; the planner's copies replayed on ar's outputs {replay.ratio:.2f}x (decoding alone, no noise)"
+                line += (
+                    f"; the planner's copies replayed on ar's outputs {replay.ratio:.2f}x (decoding alone, no noise)"
+                )
             if r["mode"] == "auto" and (known := (foresights or {}).get((r["workload"], r["concurrency"]))):
                 line += (f"; with each copy's yield known {known.ratio:.2f}x, "
                          f"{_whole(known.ratio, r['prefill_cap']):.2f}x on whole requests (the most n-gram copies "
                          "reach at this load)")
             lines.append(line)
         if r["served_vs_inproc"] == r["served_vs_inproc"]:  # not NaN
-            lines.append(f"{r['workload']} c{r['concurrency']} {r['mode']}: served/in-process "
-                         f"{r['served_vs_inproc']:.2f} (target >= 0.9: {'met' if r['served_vs_inproc'] >= 0.9 else 'missed'})")
+            lines.append(
+                f"{r['workload']} c{r['concurrency']} {r['mode']}: served/in-process "
+                f"{r['served_vs_inproc']:.2f} (target >= 0.9: {'met' if r['served_vs_inproc'] >= 0.9 else 'missed'})"
+            )
     return "\n".join(lines)

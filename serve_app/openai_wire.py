@@ -52,8 +52,14 @@ class WireError(Exception):
         self.status, self.message, self.param, self.retry_after_s = status, message, param, retry_after_s
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error"),
-                          "param": self.param, "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
 def from_status(code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> WireError:

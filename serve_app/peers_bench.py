@@ -136,7 +136,7 @@ def run(args) -> int:
              "TTFT: send to first streamed token; TPOT: (last - first token) / (tokens - 1), per request; slo_met: "
              f"share of requests with TTFT and TPOT within the SLO ({args.slo_scale:g} x calid ar's p50 at "
              f"c{sweep[0]})",
-             f"limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
+             "limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
     notes += [f"not run: {peer}: {why}" for peer, why in skipped.items()]
     name = f"peers-{'small' if args.small else 'qwen'}"
     js, md = write_report(Path(args.out), name, "calid vs the servers a user would pick instead (one OpenAI client)",

@@ -35,7 +35,9 @@ def check_limits(msg: pb.GenerateRequest, limits: Limits) -> None:
     if len(msg.stop) > limits.max_stop:
         raise InvalidRequestError(f"stop takes at most {limits.max_stop} strings, got {len(msg.stop)}")
     if msg.HasField("logprobs") and msg.logprobs > MAX_LOGPROBS:
-        raise InvalidRequestError(f"logprobs must be at most {MAX_LOGPROBS} (alternatives per token), got {msg.logprobs}")
+        raise InvalidRequestError(
+            f"logprobs must be at most {MAX_LOGPROBS} (alternatives per token), got {msg.logprobs}"
+        )
     if any(len(s) > limits.max_stop_chars for s in msg.stop):
         raise InvalidRequestError(f"stop strings may be at most {limits.max_stop_chars} characters long")
     if len(msg.messages) > limits.max_messages:

@@ -4,7 +4,8 @@ Per request: validate (INVALID_ARGUMENT naming the field), admit into a
 bounded queue (RESOURCE_EXHAUSTED when full), then decode in the router's
 step loop together with every other active request (calid.orchestrator):
 per step at most one draft call and one target call per worker replica, each
-request's to the replica that holds its KV caches (serve_app.calls). Confident filter drafts are appended and streamed before the
+request's to the replica that holds its KV caches (serve_app.calls). Confident filter drafts are appended and
+streamed before the
 target call (early acceptance); the escalations of all requests go to the
 target in one batch. The router's token ids are the source of truth: a failed
 worker call is retried (any replica recomputes from the ids), and only after
@@ -460,7 +461,9 @@ class Router:
             finally:
                 self._in_runs = set()
             states = self._drop_failed(states, failed)
-            if all(s.stats.target_calls for s in states) and not failed:  # decode steps only: a prefill's size is unknown here
+            if (
+                all(s.stats.target_calls for s in states) and not failed
+            ):  # decode steps only: a prefill's size is unknown here
                 for replica, group, reply, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
                     forwards = max((r.forwards for r in reply.results), default=1)  # a run of plain steps: per step
                     lengths = [1 + len(t.draft) for t in group]

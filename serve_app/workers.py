@@ -200,7 +200,9 @@ class _WorkerBase:
                 return {**calibration.draft_costs(runner).as_dict(), "prefill_s": calibration.prefill_cost(runner)}
 
             runner = getattr(self, "_runner", None)
-            self._costs = await asyncio.get_running_loop().run_in_executor(self._executor, measure, runner) if runner else {}
+            self._costs = (
+                await asyncio.get_running_loop().run_in_executor(self._executor, measure, runner) if runner else {}
+            )
         return self._costs
 
     async def stats(self) -> dict:
@@ -276,10 +278,21 @@ class TargetDeployment(_WorkerBase):
             from actors.group import TargetGroup
 
             dtype = pick_dtype(cfg.dtype, cfg.target_on)
-            self.worker = TargetGroup(cfg.target, cfg.target_tp, dtype, cfg.target_on, cfg.target_num_cpus, cfg.target_num_gpus, self._kv_budget, cfg.max_forward_tokens, cfg.worker_threads,
-                                      pp=cfg.target_pp, micro_batches=cfg.target_micro_batches,
-                                      resources=cfg.target_resources,
-                                      build_wait_s=cfg.worker_call_timeout_s * REBUILD_WAIT_SHARE)
+            self.worker = TargetGroup(
+                cfg.target,
+                cfg.target_tp,
+                dtype,
+                cfg.target_on,
+                cfg.target_num_cpus,
+                cfg.target_num_gpus,
+                self._kv_budget,
+                cfg.max_forward_tokens,
+                cfg.worker_threads,
+                pp=cfg.target_pp,
+                micro_batches=cfg.target_micro_batches,
+                resources=cfg.target_resources,
+                build_wait_s=cfg.worker_call_timeout_s * REBUILD_WAIT_SHARE,
+            )
             self.worker.start()  # build the group now, so the replica is ready when Serve says so
             return
         lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,

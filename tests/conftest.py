@@ -5,10 +5,17 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 from serve_app.local import loopback_env
 
 loopback_env()  # before anything imports ray: Ray reads these at import
+
+# property tests: the full profile in CI, a short one in the fast loop (bash scripts/test.sh fast); a test that pins
+# max_examples in its own @settings keeps it
+settings.register_profile("full", max_examples=300, deadline=None)
+settings.register_profile("fast", max_examples=30, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "full"))
 
 
 @pytest.fixture(scope="session")

@@ -117,7 +117,8 @@ def run(args) -> int:
     notes = [
         f"calid / {peer} at batch 1: {tok1['calid AR'] / tok1[peer]:.2f}x",
         f"calid batch-{args.batch} throughput / batch-1 throughput: {scaling:.2f}x",
-        f"limit = measured bandwidth {bandwidth:.1f} GB/s / weight bytes read per step {lm.decode_read_bytes / 1e9:.2f} GB "
+        f"limit = measured bandwidth {bandwidth:.1f} GB/s / weight bytes read per step "
+        f"{lm.decode_read_bytes / 1e9:.2f} GB "
         f"({lm.dtype}) = {limit1:.2f} tok/s per step (x batch when weights are read once per step)",
         "time includes prefill; same_tokens_as_peer counts sequences identical token for token",
         cpu_summary(),

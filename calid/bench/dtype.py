@@ -60,10 +60,14 @@ def run(args) -> int:
              "speedup_vs_fp32": ms["fp32", b] / ms[dt, b],
              "limit_tok_s": b * decode_limit_tok_s(bandwidth, models[dt].decode_read_bytes)}
             for b in batches for dt in models]
-    notes = [cpu_summary(), f"--dtype auto picks {pick_dtype('auto', 'cpu')} on this CPU",
-             f"limit = {bandwidth:.1f} GB/s / weight bytes read per step (fp32 {models['fp32'].decode_read_bytes / 1e9:.2f} GB, "
-             f"bf16 {models['bf16'].decode_read_bytes / 1e9:.2f} GB) x batch",
-             "ms_per_step: median of the timed steps"]
+    notes = [
+        cpu_summary(),
+        f"--dtype auto picks {pick_dtype('auto', 'cpu')} on this CPU",
+        f"limit = {bandwidth:.1f} GB/s / weight bytes read per step (fp32 "
+        f"{models['fp32'].decode_read_bytes / 1e9:.2f} GB, "
+        f"bf16 {models['bf16'].decode_read_bytes / 1e9:.2f} GB) x batch",
+        "ms_per_step: median of the timed steps",
+    ]
     js, md = write_report(Path(args.out), f"dtype-{args.model}", "torch fp32 vs bf16 decode steps on this CPU",
                           {"model": args.model, "context": args.context, "threads": torch.get_num_threads(),
                            "cpu": cpu_summary()}, rows, COLUMNS, notes)

@@ -171,11 +171,13 @@ def run(args) -> int:
         notes.append(f"physical limit at batch 1: {bandwidth:.1f} GB/s memory bandwidth / {read_bytes / 1e9:.2f} GB "
                      f"read per step = {decode_limit_tok_s(bandwidth, read_bytes):.1f} tok/s for the whole machine, "
                      "however the model is split (every rank shares the same memory here)")
-    notes += [f"weight per rank: the largest shard's bytes; the single process holds {full_bytes / 2**20:.0f} MB. "
-              "A stage holds its layers plus the embedding (first) or the head (last; a tied head is a second copy of the "
-              "embedding); TP ranks replicate both",
-              f"{os.cpu_count()} CPU cores shared by every process of a group (torch threads per rank: cores / "
-              "processes); model parallelism pays where each shard has its own cores or GPU"]
+    notes += [
+        f"weight per rank: the largest shard's bytes; the single process holds {full_bytes / 2**20:.0f} MB. "
+        "A stage holds its layers plus the embedding (first) or the head (last; a tied head is a second copy of the "
+        "embedding); TP ranks replicate both",
+        f"{os.cpu_count()} CPU cores shared by every process of a group (torch threads per rank: cores / "
+        "processes); model parallelism pays where each shard has its own cores or GPU",
+    ]
     js, md = write_report(Path(args.out), f"parallel-tp{tp}-pp{pp}", "Tensor/pipeline parallel vs single process",
                           {"model": args.model, "device": args.device, "tokens": args.tokens, "batch": b}, rows,
                           COLUMNS, notes)

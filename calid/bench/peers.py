@@ -15,7 +15,9 @@ from calid.backends import BACKENDS, DTYPE_CHOICES
 def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="calid's backend (auto: llama.cpp on CPU for GGUF models, else torch)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="torch dtype (auto: by the CPU's bf16 support)")
+    p.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="torch dtype (auto: by the CPU's bf16 support)"
+    )
 
 
 class LlamaCppOwn:

@@ -290,16 +290,19 @@ def run_simulate(args) -> int:
         raise CalidError("--devices, --copies, --duration, --load and --slo-scale must be > 0")
     profiles, meta = load(path)
     problem, rate = scenario(profiles, meta, args)
-    print(f"bench placement: {len(problem.profiles)} models ({args.copies} copies of {', '.join(profiles)}) on "
-          f"{args.devices} devices of {problem.device_memory / 2**30:.2f} GiB; {len(problem.requests)} requests "
-          f"over {args.duration:g} s at {rate:.2f} req/s (load {args.load:g}), CV {args.cv or 'trace'}, "
-          f"SLO scale {args.slo_scale:g}{'; what-if: overlapping pipelined steps' if args.overlap else ''}; "
-          f"co-run slowdown {problem.corun:g}{' (independent devices)' if problem.corun == 1.0 else ''}; "
-          f"split costs: tp efficiency {args.tp_efficiency if args.tp_efficiency is not None else meta['tp_efficiency']}"
-          f"{'' if args.tp_efficiency is None else ' (what-if)'}, pp overhead "
-          f"{args.pp_overhead if args.pp_overhead is not None else meta['pp_overhead']}"
-          f"{'' if args.pp_overhead is None else ' (what-if)'}; "
-          f"profile measured on {meta.get('cpu', '?')}", file=sys.stderr)
+    print(
+        f"bench placement: {len(problem.profiles)} models ({args.copies} copies of {', '.join(profiles)}) on "
+        f"{args.devices} devices of {problem.device_memory / 2**30:.2f} GiB; {len(problem.requests)} requests "
+        f"over {args.duration:g} s at {rate:.2f} req/s (load {args.load:g}), CV {args.cv or 'trace'}, "
+        f"SLO scale {args.slo_scale:g}{'; what-if: overlapping pipelined steps' if args.overlap else ''}; "
+        f"co-run slowdown {problem.corun:g}{' (independent devices)' if problem.corun == 1.0 else ''}; "
+        f"split costs: tp efficiency {args.tp_efficiency if args.tp_efficiency is not None else meta['tp_efficiency']}"
+        f"{'' if args.tp_efficiency is None else ' (what-if)'}, pp overhead "
+        f"{args.pp_overhead if args.pp_overhead is not None else meta['pp_overhead']}"
+        f"{'' if args.pp_overhead is None else ' (what-if)'}; "
+        f"profile measured on {meta.get('cpu', '?')}",
+        file=sys.stderr,
+    )
     plans = plan_all(problem)
     rows = [{"planner": n, "slo_attainment": p.attainment, "simulations": p.simulations,
              "plan_seconds": p.seconds, "placement": str(p.placement)} for n, p in plans.items()]

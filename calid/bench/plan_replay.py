@@ -57,8 +57,15 @@ class Replay:
                 f"against ar's {self.ar_steps})")
 
 
-def replay_burst(prompts: list[list[int]], outputs: list[list[int]], verify: CostTable, max_new_tokens: int | None = None,
-                 sliced: bool = True, planner: Planner = auto_planner, foresight: bool = False) -> Replay:
+def replay_burst(
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    verify: CostTable,
+    max_new_tokens: int | None = None,
+    sliced: bool = True,
+    planner: Planner = auto_planner,
+    foresight: bool = False,
+) -> Replay:
     """Decode ``prompts`` together (one burst, no request joins later) into their greedy ar ``outputs`` twice: in
     plain steps, and as ``planner`` chooses with n-gram copies. ``max_new_tokens``: each request's budget as the
     server knew it (its tokens left rank it in the planner's cost to go; default: its output's length); ``sliced``:

@@ -45,7 +45,9 @@ from calid.workers.target import teacher_forced
 
 POINTS = 2.0  # the operating point: pass@1 within this many points of ar
 DRAFT_ONLY = "draft only"  # run as the draft model alone (ar on it), not through the target's engine
-FORWARD_TOKENS = 256  # SARATHI budget per forward, a served app's default: a batch of new prompts is prefilled in chunks
+FORWARD_TOKENS = (
+    256  # SARATHI budget per forward, a served app's default: a batch of new prompts is prefilled in chunks
+)
 
 
 @dataclass(frozen=True)
@@ -344,19 +346,35 @@ def summarize(cfgs, work: list[Item], store: Store) -> list[dict]:
             scored = [r for _, r in done if "match" in r]
             ref_graded = [store.get("ar", it.key)["solved"] for it, r in done
                           if r["solved"] is not None and store.get("ar", it.key)]
-            rows.append({
-                "config": name, "task": kind, "done": f"{len(done)}/{len(its)}",
-                "quality": sum(graded) / len(graded) if graded else "-",
-                "ar_quality_same_items": sum(ref_graded) / len(ref_graded) if len(ref_graded) == len(graded) and graded else "-",
-                "filtered_fraction": sum(r["draft_tokens"] for _, r in done) / tokens if tokens else 0.0,
-                "token_match": (sum(r["match"] for r in scored) / sum(len(r["output_ids"]) for r in scored)
-                                if scored and sum(len(r["output_ids"]) for r in scored) else "-"),
-                "prefix_agreement": (sum(prefix_agreement(r["output_ids"], a["output_ids"]) for r, a in refs if a)
-                                     / sum(1 for _, a in refs if a) if any(a for _, a in refs) else "-"),
-                "target_nll": (sum(r["nll_sum"] for r in scored) / sum(len(r["output_ids"]) for r in scored)
-                               if scored and sum(len(r["output_ids"]) for r in scored) else "-"),
-                "tokens": tokens,
-            })
+            rows.append(
+                {
+                    "config": name,
+                    "task": kind,
+                    "done": f"{len(done)}/{len(its)}",
+                    "quality": sum(graded) / len(graded) if graded else "-",
+                    "ar_quality_same_items": sum(ref_graded) / len(ref_graded)
+                    if len(ref_graded) == len(graded) and graded
+                    else "-",
+                    "filtered_fraction": sum(r["draft_tokens"] for _, r in done) / tokens if tokens else 0.0,
+                    "token_match": (
+                        sum(r["match"] for r in scored) / sum(len(r["output_ids"]) for r in scored)
+                        if scored and sum(len(r["output_ids"]) for r in scored)
+                        else "-"
+                    ),
+                    "prefix_agreement": (
+                        sum(prefix_agreement(r["output_ids"], a["output_ids"]) for r, a in refs if a)
+                        / sum(1 for _, a in refs if a)
+                        if any(a for _, a in refs)
+                        else "-"
+                    ),
+                    "target_nll": (
+                        sum(r["nll_sum"] for r in scored) / sum(len(r["output_ids"]) for r in scored)
+                        if scored and sum(len(r["output_ids"]) for r in scored)
+                        else "-"
+                    ),
+                    "tokens": tokens,
+                }
+            )
     return rows
 
 

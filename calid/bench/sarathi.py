@@ -22,7 +22,9 @@ def add_parser(sub) -> None:
     from calid.models.presets import TEST_MODEL
 
     p = sub.add_parser("sarathi", help="decode TPOT with and without chunked prefill while long prompts arrive")
-    p.add_argument("--model", default=TEST_MODEL, help=f"target (default {TEST_MODEL}: long prefills stay short on CPU)")
+    p.add_argument(
+        "--model", default=TEST_MODEL, help=f"target (default {TEST_MODEL}: long prefills stay short on CPU)"
+    )
     p.add_argument("--decoders", type=int, default=4, help="short requests decoding throughout (default 4)")
     p.add_argument("--arrivals", type=int, default=3, help="long prompts arriving during the run (default 3)")
     p.add_argument("--prompt-tokens", type=int, default=1500, help="length of each long prompt (default 1500)")
@@ -104,9 +106,17 @@ def run(args) -> int:
     rows = []
     for name, _ in configs:
         gaps, ttft, total, outs = results[name]
-        rows.append({"config": name, "tpot_ms_p50": statistics.median(gaps), "tpot_ms_p99": _percentile(gaps, 0.99),
-                     "tpot_ms_max": max(gaps), "long_ttft_s_mean": statistics.mean(ttft), "total_s": total / args.repeats,
-                     "same_tokens": f"{sum(o == b for o, b in zip(outs, base))}/{len(outs)}"})
+        rows.append(
+            {
+                "config": name,
+                "tpot_ms_p50": statistics.median(gaps),
+                "tpot_ms_p99": _percentile(gaps, 0.99),
+                "tpot_ms_max": max(gaps),
+                "long_ttft_s_mean": statistics.mean(ttft),
+                "total_s": total / args.repeats,
+                "same_tokens": f"{sum(o == b for o, b in zip(outs, base))}/{len(outs)}",
+            }
+        )
     notes = [f"TPOT p99 whole / chunked: {rows[0]['tpot_ms_p99'] / rows[1]['tpot_ms_p99']:.2f}x; "
              f"p50 whole / chunked: {rows[0]['tpot_ms_p50'] / rows[1]['tpot_ms_p50']:.2f}x",
              "TPOT: gaps between consecutive tokens of the continuously decoding requests",

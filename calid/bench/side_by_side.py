@@ -35,7 +35,9 @@ class Tally:
     target_calls: int = 0
     verifications: int = 0
     accepted: int = 0
-    per_prompt: list[tuple[float, int, int, int, int]] = field(default_factory=list)  # seconds, draft, calls, verif, acc
+    per_prompt: list[tuple[float, int, int, int, int]] = field(
+        default_factory=list
+    )  # seconds, draft, calls, verif, acc
 
     def subset(self, idx: list[int]) -> "Tally":
         t = Tally(outputs=[self.outputs[i] for i in idx], texts=[self.texts[i] for i in idx])

@@ -106,7 +106,11 @@ def run_lookahead(args) -> int:
     tok = target.tokenizer
     prompts = _summary_prompts(tok, n_sum, args.doc_tokens, max_new)
     prompts += _code_and_chat_prompts(engine, tok, n_code, n_mt, max_new, second_turn=True)
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve(args.target).path), dtype=torch.float32).eval() if args.hf else None
+    hf = (
+        AutoModelForCausalLM.from_pretrained(str(resolve(args.target).path), dtype=torch.float32).eval()
+        if args.hf
+        else None
+    )
 
     @torch.inference_mode()
     def hf_pld(ids: list[int], n: int) -> list[int]:
@@ -119,9 +123,12 @@ def run_lookahead(args) -> int:
     cfgs += [(f"lookahead L={n}", DecodeParams(mode="lookahead", gamma=n)) for n in lengths]
     if hf is not None:
         cfgs.append((HF_PLD, hf_pld))
-    print(f"bench lookahead: {target.describe()}; {len(prompts)} prompts ({n_sum} XSum + {n_sum} MultiLexSum truncated to "
-          f"{args.doc_tokens} tokens, {n_code} HumanEval, {n_mt} MT-bench second turns); {max_new} new tokens; greedy",
-          file=sys.stderr)
+    print(
+        f"bench lookahead: {target.describe()}; {len(prompts)} prompts ({n_sum} XSum + {n_sum} "
+        "MultiLexSum truncated to "
+        f"{args.doc_tokens} tokens, {n_code} HumanEval, {n_mt} MT-bench second turns); {max_new} new tokens; greedy",
+        file=sys.stderr,
+    )
     tallies = run_configs(engine, tok, prompts, cfgs, "bench lookahead")
     rows = _rows_per_kind(cfgs, tallies, prompts, engine, ["xsum", "multilexsum", "humaneval", "mtbench"])
     notes = _lookahead_notes(rows, lengths)

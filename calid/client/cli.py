@@ -41,10 +41,13 @@ def cmd_client(args) -> int:
     try:
         return _run(args)
     except Unavailable as e:
-        raise CalidError(f"no calid server answers at {args.address} (start one with: calid serve): {e.details}") from None
+        raise CalidError(
+            f"no calid server answers at {args.address} (start one with: calid serve): {e.details}"
+        ) from None
     except Unauthenticated as e:
-        raise CalidError(f"the server at {args.address} refused the API key (--api-key or $CALID_API_KEY): "
-                         f"{e.details}") from None
+        raise CalidError(
+            f"the server at {args.address} refused the API key (--api-key or $CALID_API_KEY): {e.details}"
+        ) from None
     except ValueError as e:  # an unreadable --tls certificate
         raise CalidError(str(e)) from None
 
@@ -83,6 +86,9 @@ def _run(args) -> int:
 
 
 def describe_stats(s: dict, edge: bool = False) -> str:
-    return (f"[{s.get('mode')}{' at the edge' if edge else ''}: {s.get('output_tokens')} tokens, {s.get('tokens_per_s', 0):.2f} tok/s, "
-            f"first token {s.get('ttft_ms', 0):.0f} ms, from draft {s.get('filtered_fraction', 0):.0%}, "
-            f"target calls {s.get('target_calls')}]")
+    return (
+        f"[{s.get('mode')}{' at the edge' if edge else ''}: {s.get('output_tokens')} tokens, "
+        f"{s.get('tokens_per_s', 0):.2f} tok/s, "
+        f"first token {s.get('ttft_ms', 0):.0f} ms, from draft {s.get('filtered_fraction', 0):.0%}, "
+        f"target calls {s.get('target_calls')}]"
+    )

@@ -109,7 +109,8 @@ class _Base:
     (plaintext), True (TLS, system roots) or the path of a PEM CA certificate to trust.
 
     ``local_draft`` (a model spec, e.g. "qwen2.5-coder-0.5b-instruct", or "self:N" for the first N layers
-    of the server's target, or a calid.client.edge.LocalDraft to share one) runs the draft on this machine: requests in mode filter or speculative (the
+    of the server's target, or a calid.client.edge.LocalDraft to share one) runs the draft on this machine:
+    requests in mode filter or speculative (the
     default with a local draft) then go through Collaborate, and the server only filters and verifies.
     Other modes are served as usual. ``draft_threads``: CPU threads of the local draft (default: all).
     """

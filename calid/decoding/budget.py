@@ -89,7 +89,9 @@ class AgreementTable:
     # ---- the calibration file ----------------------------------------------------------
 
     @classmethod
-    def from_counts(cls, positions: list[float], matches: list[float], weight: float = PRIOR_WEIGHT) -> "AgreementTable":
+    def from_counts(
+        cls, positions: list[float], matches: list[float], weight: float = PRIOR_WEIGHT
+    ) -> "AgreementTable":
         """A starting table from measured counts, scaled so that the busiest bin weighs ``weight`` positions
         per bin on average (a calibration guides serving without outweighing what serving then measures);
         empty bins keep the calibrated-draft prior."""

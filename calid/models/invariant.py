@@ -108,7 +108,9 @@ def use_invariant_linears(model: nn.Module, rows: int | str = "probe") -> int:
     """Swap the model's linears (nn.Linear or a subclass wrapping its parameters) for InvariantLinear; return
     how many. ``rows``: a fixed block size, or "probe" (GEMMs of up to max_invariant_rows rows where that is at
     least 8, else blocks of DEFAULT_ROWS)."""
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, InvariantLinear)]
+    targets = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, InvariantLinear)
+    ]
     probed: dict[tuple, int] = {}
     for name, linear in targets:
         limit = 0

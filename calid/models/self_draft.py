@@ -36,4 +36,6 @@ def parse_self_draft(spec: str) -> int | None:
     try:
         return int(spec[5:])
     except ValueError:
-        raise CalidError(f"a self-draft spec self:N needs an integer N (the target's first N layers), got {spec!r}") from None
+        raise CalidError(
+            f"a self-draft spec self:N needs an integer N (the target's first N layers), got {spec!r}"
+        ) from None

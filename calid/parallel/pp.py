@@ -28,7 +28,8 @@ from calid.runtime.batch import Batch, split_batch
 
 @dataclass(frozen=True)
 class StageLinks:
-    """Global ranks a stage talks to: ``prev`` sends it hidden states, it sends to ``next``, ``last`` broadcasts logits."""
+    """Global ranks a stage talks to: ``prev`` sends it hidden states, it sends to ``next``, "
+    "``last`` broadcasts logits."""
 
     prev: int | None
     next: int | None

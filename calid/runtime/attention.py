@@ -39,7 +39,9 @@ def attention_for(batch: Batch):
 
 
 def _sdpa(q, k, v, mask, causal: bool):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class SequenceAttention:

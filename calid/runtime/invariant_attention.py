@@ -61,7 +61,9 @@ class InvariantAttention:
         self.out_picks = device_longs([u * QUERY_BLOCK + j for u, (rows, _, _) in enumerate(units)
                                        for j in range(len(rows))], device)
         pos = torch.arange(width, device=device)
-        self.visible = pos[None, None, :] <= device_longs(last, device).view(self.units, QUERY_BLOCK, 1)  # [U, QB, width]
+        self.visible = pos[None, None, :] <= device_longs(last, device).view(
+            self.units, QUERY_BLOCK, 1
+        )  # [U, QB, width]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer, self.slots, k, v)

@@ -23,7 +23,8 @@ greedy speculative, tree and Lookahead decoding reproduce ``ar`` token for token
 * token trees (``SeqInput.ancestors``): one slot per branch (root-to-leaf
   path; calid.runtime.seq_cover checks the mask is exactly that): the first
   is fed in the sequence's own slot, each other in a copy of its stream, every
-  branch its own path, so every node sees exactly its ancestors. ``compact`` adopts the accepted branch's slot as the sequence's
+  branch its own path, so every node sees exactly its ancestors. ``compact`` adopts the accepted branch's slot as
+  the sequence's
   (no copy back) and frees the others;
 * the KV budget sets the cells per slot (the longest sequence) for a fixed
   number of slots; when slots run out the least recently used sequence is

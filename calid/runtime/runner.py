@@ -119,7 +119,9 @@ class ModelRunner:
 
     def describe(self) -> str:
         graphs = ", CUDA graphs" if self.graphs is not None and self.graphs.capture else ""
-        return f"torch {str(self.model.dtype).removeprefix('torch.')} on {self.model.device}, {self.kv_layout} KV{graphs}"
+        return (
+            f"torch {str(self.model.dtype).removeprefix('torch.')} on {self.model.device}, {self.kv_layout} KV{graphs}"
+        )
 
     def cached_length(self, seq_id: Hashable) -> int:
         return len(self.caches.get(seq_id)) if seq_id in self.caches else 0
@@ -197,7 +199,9 @@ class ModelRunner:
             positions.extend(inp.positions if inp.positions is not None else range(past, past + q))
             at = inp.logits_at if inp.logits_at is not None else [q - 1]
             logits_index.extend(start + i for i in at)
-            mask = tree_mask(inp.ancestors.to(self.device, non_blocking=True), past) if inp.ancestors is not None else None
+            mask = (
+                tree_mask(inp.ancestors.to(self.device, non_blocking=True), past) if inp.ancestors is not None else None
+            )
             seqs.append(SeqSlice(start, q, past, cache, mask))
             start += q
         self.caches.enforce_budget(pinned)

@@ -156,7 +156,9 @@ class DraftWorker:
                 lanes.append([t, 0, -1, 0])
                 self._lanes[t.request_id] = t.decode.tree_chains
         while lanes:
-            rows, nll = _forward_tips(self.runner, [(_lane_id(t.request_id, j), t, tip) for t, j, tip, _ in lanes], trees)
+            rows, nll = _forward_tips(
+                self.runner, [(_lane_id(t.request_id, j), t, tip) for t, j, tip, _ in lanes], trees
+            )
             still = []
             for (t, j, tip, unsure_so_far), row, row_nll in zip(lanes, rows, nll.tolist()):
                 tree, decode = trees[t.request_id], t.decode

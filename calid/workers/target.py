@@ -27,7 +27,15 @@ from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
 from calid.decoding.sampling import warp
 from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled, verify_stochastic
 from calid.runtime.runner import ModelRunner, SeqInput
-from calid.workers.messages import ScoreResult, ScoreTask, VerifyResult, VerifyTask, load_generator, require_full_ids, save_generator
+from calid.workers.messages import (
+    ScoreResult,
+    ScoreTask,
+    VerifyResult,
+    VerifyTask,
+    load_generator,
+    require_full_ids,
+    save_generator,
+)
 
 
 MIN_CHUNK = 32  # a prefill chunk is never smaller than this, so a long prompt always progresses
@@ -152,8 +160,11 @@ class TargetWorker:
         for t in tasks:
             if t.decode.mode == "lookahead":
                 self._feed_trie(t)
-                trees[t.request_id] = (self.trie(t.request_id).retrieve(t.token_ids, budget=min(t.budget, t.decode.gamma))
-                                       if t.budget > 0 else TokenTree())
+                trees[t.request_id] = (
+                    self.trie(t.request_id).retrieve(t.token_ids, budget=min(t.budget, t.decode.gamma))
+                    if t.budget > 0
+                    else TokenTree()
+                )
             elif t.decode.is_tree:
                 trees[t.request_id] = t.tree or TokenTree()
         if cap is not None:
@@ -244,9 +255,17 @@ class TargetWorker:
         rule = get_rule("filter" if t.decode.mode == "ar" else t.decode.mode)
         v = rule(RuleInput(draft=draft, q=q, p=warp(rows, t.warp), generator=generator,
                            target_nll=target_nll, rollback_nll=t.decode.rollback_nll))
-        return VerifyResult(t.request_id, t.draft[: v.accepted] + [v.next_token], v.accepted, len(t.draft),
-                            verifying, save_generator(generator), top1=int(rows[v.accepted if verifying else -1].argmax()),
-                            audit_from=end - len(audit or ()), audit=audit)
+        return VerifyResult(
+            t.request_id,
+            t.draft[: v.accepted] + [v.next_token],
+            v.accepted,
+            len(t.draft),
+            verifying,
+            save_generator(generator),
+            top1=int(rows[v.accepted if verifying else -1].argmax()),
+            audit_from=end - len(audit or ()),
+            audit=audit,
+        )
 
     def _tree_input(self, t: VerifyTask, tree: TokenTree) -> SeqInput:
         committed = t.token_ids

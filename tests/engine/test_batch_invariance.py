@@ -7,7 +7,6 @@ verification of the same tokens, and the four modes gave different texts for a s
 from __future__ import annotations
 
 import pytest
-import torch
 
 from calid.decoding.modes import DecodeParams
 from calid.engine import Engine

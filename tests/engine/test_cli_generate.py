@@ -56,8 +56,20 @@ def test_a_self_draft_on_llamacpp_is_refused_in_one_line(smol, capsys):
 
 
 def test_a_torch_self_draft_beside_a_llamacpp_target(smol, capsys):
-    argv = ["generate", "--model", TEST_MODEL, "--mode", "speculative", "--draft", "self:10", "--draft-backend", "torch",
-            "--max-new-tokens", "12", "Name a prime number."]
+    argv = [
+        "generate",
+        "--model",
+        TEST_MODEL,
+        "--mode",
+        "speculative",
+        "--draft",
+        "self:10",
+        "--draft-backend",
+        "torch",
+        "--max-new-tokens",
+        "12",
+        "Name a prime number.",
+    ]
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "llama.cpp" in err and "self:10 of" in err and "mean accepted" in err

@@ -36,8 +36,10 @@ def test_the_copy_is_the_same_model_in_q4_0(shipped, home):
     a = LlamaCppRunner(shipped, kv_budget_bytes=64 << 20, slots=2, exact=False)
     b = LlamaCppRunner(copy, kv_budget_bytes=64 << 20, slots=2, exact=False)
     tok = open_model(TEST_MODEL, backend="llamacpp", **QUIET).tokenizer
-    ids = tok.encode("def is_prime(n):\n    if n < 2:\n        return False\n    for i in range(2, int(n ** 0.5) + 1):\n"
-                     "        if n % i == 0:\n            return False\n    return True\n")
+    ids = tok.encode(
+        "def is_prime(n):\n    if n < 2:\n        return False\n    for i in range(2, int(n ** 0.5) + 1):\n"
+        "        if n % i == 0:\n            return False\n    return True\n"
+    )
     rows = [r.forward([SeqInput("s", ids, logits_at=list(range(len(ids))))])[0] for r in (a, b)]
     a.close(), b.close()
     agree = (rows[0].argmax(-1) == rows[1].argmax(-1)).float().mean().item()

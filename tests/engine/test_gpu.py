@@ -30,7 +30,9 @@ def _smol_pulled() -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_greedy_matches_cpu(smol, prompts, dtype):
     gpu_model = build_model(smol.config, load_state_dict(smol.path), dtype, "cuda")
-    reqs = lambda: [GenerationRequest(encode_prompt(smol.tokenizer, p), SamplingParams(max_new_tokens=24)) for p in prompts]
+    reqs = lambda: [
+        GenerationRequest(encode_prompt(smol.tokenizer, p), SamplingParams(max_new_tokens=24)) for p in prompts
+    ]
     cpu = Engine(ModelRunner(smol.model), smol.tokenizer, smol.eos_ids).generate(reqs())
     gpu = Engine(ModelRunner(gpu_model), smol.tokenizer, smol.eos_ids).generate(reqs())
     same = sum(a.output_ids == b.output_ids for a, b in zip(cpu, gpu))

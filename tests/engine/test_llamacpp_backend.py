@@ -226,7 +226,9 @@ def test_tree_drafts_fit_a_draft_runner_with_fewer_slots_than_their_lanes(ll, pr
 
     draft = LlamaCppRunner(gguf_file(TEST_MODEL, False), slots=4)
     eng = Engine(ll.runner, ll.tokenizer, ll.eos_ids, draft=draft)
-    res = generate(eng, ids_of(ll, prompts), DecodeParams(mode="tree", gamma=4, threshold=0.4, tree_width=1, tree_chains=3))
+    res = generate(
+        eng, ids_of(ll, prompts), DecodeParams(mode="tree", gamma=4, threshold=0.4, tree_width=1, tree_chains=3)
+    )
     assert [r.output_ids for r in res] == ar_ids and sum(r.stats.draft_tokens for r in res) > 0
     draft.close()
 
@@ -320,7 +322,9 @@ def test_llamacpp_draft_for_a_torch_target(smol, ll_draft, prompts):
     """The reverse pairing: torch target (fp32), draft on llama.cpp (the same model quantized)."""
     tgt = open_model(TEST_MODEL, backend="torch", dtype="fp32", **QUIET)
     ids = ids_of(tgt, prompts)
-    want = [r.output_ids for r in generate(Engine(tgt.runner, tgt.tokenizer, tgt.eos_ids), ids, DecodeParams(mode="ar"))]
+    want = [
+        r.output_ids for r in generate(Engine(tgt.runner, tgt.tokenizer, tgt.eos_ids), ids, DecodeParams(mode="ar"))
+    ]
     eng = Engine.from_models(tgt, ll_draft)
     res = generate(eng, ids, DecodeParams(mode="speculative", gamma=6, threshold=0.0))
     assert [r.output_ids for r in res] == want
@@ -408,7 +412,10 @@ def test_a_forward_reaches_llama_cpp_in_slot_order_and_answers_in_input_order(ll
     assert slots != sorted(slots)  # the inputs' order is not the slots' order
     sent = []
     decode = batched._decode
-    batched._decode = lambda entries, flags, inputs: (sent.append([e[2] for e in entries]), decode(entries, flags, inputs))
+    batched._decode = lambda entries, flags, inputs: (
+        sent.append([e[2] for e in entries]),
+        decode(entries, flags, inputs),
+    )
     step = batched.forward([SeqInput(s, [42, 7], logits_at=[0, 1]) for s in seqs])
     del batched._decode
     assert sent == [sorted(slot for slot in slots for _ in range(2))]  # one call, in slot order

@@ -18,8 +18,10 @@ def make_engine(smol, draft_layers=10):
 
 
 def run(smol, prompts, decode, draft_layers=10, **params):
-    reqs = [GenerationRequest(encode_prompt(smol.tokenizer, p), SamplingParams(max_new_tokens=N, **params), decode=decode)
-            for p in prompts]
+    reqs = [
+        GenerationRequest(encode_prompt(smol.tokenizer, p), SamplingParams(max_new_tokens=N, **params), decode=decode)
+        for p in prompts
+    ]
     return make_engine(smol, draft_layers).generate(reqs)
 
 
@@ -40,7 +42,9 @@ def test_greedy_speculative_is_identical_to_target(smol, prompts, target_greedy,
 
 
 def test_full_depth_self_draft_accepts_everything(smol, prompts, target_greedy):
-    res = run(smol, prompts, DecodeParams(mode="speculative", gamma=4, threshold=0.0), draft_layers=smol.config.num_layers)
+    res = run(
+        smol, prompts, DecodeParams(mode="speculative", gamma=4, threshold=0.0), draft_layers=smol.config.num_layers
+    )
     assert [r.output_ids for r in res] == target_greedy
     assert all(a == 1.0 for r in res for a in r.stats.acceptance_by_position)
 

@@ -94,8 +94,10 @@ def test_under_load_the_target_scales_out_onto_the_idle_target_node(cluster):
     for _ in range(4):  # the router learns the new replica within REPLICAS_REFRESH_S of its first call
         streams = Streams(cluster.grpc_port, cfg.app_name, PROMPTS, 8, 8, mode="ar").join()
         assert all(r["code"] == "OK" for r in streams) and len({tuple(r["tokens"]) for r in streams}) == len(PROMPTS)
-        stats = wait_for(lambda: (lambda got: got if len(got) == 2 else None)(target.broadcast("stats").results(timeout_s=60)),
-                         timeout_s=30)  # a new handle learns the replicas in the background
+        stats = wait_for(
+            lambda: (lambda got: got if len(got) == 2 else None)(target.broadcast("stats").results(timeout_s=60)),
+            timeout_s=30,
+        )  # a new handle learns the replicas in the background
         if stats and all(s["batches"] > 0 for s in stats):
             break
         time.sleep(2.5)

@@ -95,7 +95,9 @@ def test_requests_go_on_without_an_unreachable_draft_and_drafting_resumes_when_i
     async def run(lose_after: int | None):
         draft, target = _handles(models)
         router = Router.func_or_class(AppConfig.small(dtype="fp32").model_dump(), draft, target)
-        jobs = [asyncio.ensure_future(_generate(router, p, m, tokens=64)) for p in PROMPTS for m in ("speculative", "auto")]
+        jobs = [
+            asyncio.ensure_future(_generate(router, p, m, tokens=64)) for p in PROMPTS for m in ("speculative", "auto")
+        ]
         seen = {}
         if lose_after is not None:
             await _until(lambda: target.answered >= lose_after, jobs)

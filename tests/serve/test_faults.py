@@ -5,7 +5,7 @@ import asyncio
 
 import grpc
 import pytest
-from serve_helpers import GrpcContext, deploy, handle
+from serve_helpers import GrpcContext, deploy
 
 from calid.client import Client
 from calid.v1 import calid_pb2 as pb

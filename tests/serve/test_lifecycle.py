@@ -66,10 +66,31 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
     cert, key = self_signed
     tls = str(cert)
     port, http_port = _free_port(), _free_port()
-    proc = subprocess.Popen([CALID, "serve", "--small", "--draft", "none", "--port", str(port), "--no-dashboard",
-                             "--http-port", str(http_port), "--drain-grace-s", "120", "--tls-cert", str(cert), "--tls-key", str(key)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_user_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            CALID,
+            "serve",
+            "--small",
+            "--draft",
+            "none",
+            "--port",
+            str(port),
+            "--no-dashboard",
+            "--http-port",
+            str(http_port),
+            "--drain-grace-s",
+            "120",
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_user_env(),
+        start_new_session=True,
+    )
     try:
         _wait_ready(port, proc, tls)
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -92,7 +113,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
 
         def http_stream():  # the same drain holds for the OpenAI front-end
             with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=300) as c:
-                text, started = "", False
+                started = False
                 for chunk in c.completions.create(model="smollm2-135m-instruct", prompt="Count to fifty:",
                                                   max_tokens=40, stream=True, extra_body={"ignore_eos": True},
                                                   stream_options={"include_usage": True}):
@@ -102,7 +123,9 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
                         started = True
                         first_chunk.wait(60)
 
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)] + [threading.Thread(target=http_stream)]
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)] + [
+            threading.Thread(target=http_stream)
+        ]
         for t in threads:
             t.start()
         first_chunk.wait(120)  # all three are decoding

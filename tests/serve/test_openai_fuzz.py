@@ -24,20 +24,38 @@ pytestmark = [pytest.mark.model]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
           "stop", "n", "logprobs", "top_logprobs", "echo", "ignore_eos", "user", "stream", "stream_options", "mode",
           "threshold", "gamma", "top_k", "tools", "response_format", "presence_penalty"]
-_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
-                     | st.text(max_size=30),
-                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                     max_leaves=12)
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 _plausible = {
     "model": st.sampled_from(["smollm2-135m-instruct", "", "gpt-4"]),
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                                "content": st.text(max_size=40) | st.none()}), max_size=3),
-    "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 70000), max_size=6) | st.lists(st.text(max_size=10), max_size=3),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                "content": st.text(max_size=40) | st.none(),
+            }
+        ),
+        max_size=3,
+    ),
+    "prompt": st.text(max_size=40)
+    | st.lists(st.integers(-5, 70000), max_size=6)
+    | st.lists(st.text(max_size=10), max_size=3),
     "max_tokens": st.integers(-1, 6) | st.sampled_from([2**32, 10**20, 4097]),
-    "temperature": st.floats(-1, 3) | st.none(), "top_p": st.floats(-0.5, 1.5), "seed": st.integers(-3, 2**65),
-    "logprobs": st.booleans() | st.integers(-1, 25), "top_logprobs": st.integers(-1, 25),
+    "temperature": st.floats(-1, 3) | st.none(),
+    "top_p": st.floats(-0.5, 1.5),
+    "seed": st.integers(-3, 2**65),
+    "logprobs": st.booleans() | st.integers(-1, 25),
+    "top_logprobs": st.integers(-1, 25),
     "mode": st.sampled_from(["ar", "filter", "speculative", "tree", "lookahead", "auto", "nope", ""]),
-    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3), "echo": st.booleans(),
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3),
+    "echo": st.booleans(),
 }
 
 

@@ -116,7 +116,9 @@ def test_a_hung_worker_call_times_out_is_cancelled_and_retried(target):
     want = asyncio.run(_generate(_router(_Target(_worker(target))), PROMPTS[0]))[1]
     assert ctx.code is None and list(resp.token_ids) == list(want.token_ids)
     assert len(handle.verify_calls) > 1  # retried after the timeout...
-    assert handle.verify_calls[0].cancelled and not any(c.cancelled for c in handle.verify_calls[1:])  # ...which cancelled it
+    assert handle.verify_calls[0].cancelled and not any(
+        c.cancelled for c in handle.verify_calls[1:]
+    )  # ...which cancelled it
 
 
 def test_tokenization_runs_off_the_event_loop(target):

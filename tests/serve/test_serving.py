@@ -133,7 +133,9 @@ def test_sixteen_concurrent_streams_are_correct_and_batched(small_app, local_eng
     router = handle("calid", "router").stats.remote().result()
     target = handle("calid", "target").stats.remote().result()
     assert router["max_escalation_batch"] > 1  # one router step sent many requests' escalations together
-    assert target["max_batch"] > 1 and target["batches"] > before["batches"]  # ...and the target ran them in one forward
+    assert (
+        target["max_batch"] > 1 and target["batches"] > before["batches"]
+    )  # ...and the target ran them in one forward
     assert router["target_fanout"] == 1  # one replica: one target call per step, whatever the requests
     assert target["batches"] - before["batches"] <= router["target_calls"]
     forwards = target["forwards"] - before["forwards"]  # llama.cpp (SmolLM2's GGUF): each forward, one or more ubatches

@@ -23,7 +23,10 @@ from calid.cli import main
         (["bench", "peers", "--peers", "vllm"], "--peers among llama-cpp-python, llama-server"),
         (["bench", "peers", "--plain-run-ms", "-1"], "--plain-run-ms takes milliseconds >= 0"),
         (["bench", "peers", "--rounds", "0"], "--rounds takes a count >= 1"),
-        (["generate", "hi", "--min-agreement", "0.9", "--threshold", "0.5"], "--threshold or --min-agreement, not both"),
+        (
+            ["generate", "hi", "--min-agreement", "0.9", "--threshold", "0.5"],
+            "--threshold or --min-agreement, not both",
+        ),
         (["generate", "hi", "--min-agreement", "1.5"], "min_agreement must be in (0, 1]"),
         (["generate", "hi", "--mode", "speculative", "--min-agreement", "0.9"], "a budget for mode filter"),
         (["bench", "quality", "--batch", "0"], "--batch and --max-new-tokens must be >= 1"),

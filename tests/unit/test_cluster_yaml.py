@@ -64,7 +64,10 @@ def test_node_types_scale_cpus_and_keep_what_places_replicas():
     assert head == "head"
     assert types["target_gpu"].node_args(1 / 8) == {"num_cpus": 6, "num_gpus": 4, "resources": {"target_node": 1}}
     assert types["head"].node_args(1 / 64) == {"num_cpus": 1, "num_gpus": 0, "resources": {"head_node": 1}}
-    assert scale_app({"draft_num_cpus": 4, "target_num_gpus": 1}, 1 / 8) == {"draft_num_cpus": 0.5, "target_num_gpus": 1}
+    assert scale_app({"draft_num_cpus": 4, "target_num_gpus": 1}, 1 / 8) == {
+        "draft_num_cpus": 0.5,
+        "target_num_gpus": 1,
+    }
     import tempfile
 
     config = yaml.safe_load((ROOT / "cluster.yaml").read_text())

@@ -50,7 +50,9 @@ def test_draft_equal_to_target_accepts_everything(tiny_model, target_only):
 
 
 def test_filter_threshold_zero_is_draft_only(tiny_model):
-    draft_only = run(Engine(ModelRunner(self_draft(tiny_model, 1)), IdTokenizer(), frozenset()), DecodeParams(mode="ar"))
+    draft_only = run(
+        Engine(ModelRunner(self_draft(tiny_model, 1)), IdTokenizer(), frozenset()), DecodeParams(mode="ar")
+    )
     res = run(engine(tiny_model), DecodeParams(mode="filter", threshold=0.0, gamma=8))
     assert [r.output_ids for r in res] == [r.output_ids for r in draft_only]
     assert all(r.stats.filtered_fraction == 1.0 and r.stats.target_calls == 0 for r in res)
@@ -150,10 +152,14 @@ def test_tree_with_full_depth_draft_accepts_the_main_branch(tiny_model, target_o
 def test_lookahead_accepts_repeated_text(tiny_model):
     """A prompt that repeats what the model will say lets lookahead accept several tokens per step."""
     eng = engine(tiny_model, draft_layers=0)
-    first = eng.generate([GenerationRequest([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=30), decode=DecodeParams(mode="ar"))])[0]
+    first = eng.generate(
+        [GenerationRequest([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=30), decode=DecodeParams(mode="ar"))]
+    )[0]
     prompt = [3, 1, 4, 1, 5] + first.output_ids + [3, 1, 4, 1, 5]  # the continuation is in the prompt
     ar = eng.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24), decode=DecodeParams(mode="ar"))])[0]
-    la = eng.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24), decode=DecodeParams(mode="lookahead"))])[0]
+    la = eng.generate(
+        [GenerationRequest(prompt, SamplingParams(max_new_tokens=24), decode=DecodeParams(mode="lookahead"))]
+    )[0]
     assert la.output_ids == ar.output_ids
     assert la.stats.target_calls < len(la.output_ids) / 2
     assert len(eng.verifier._global._prompts) == 0  # the finished prompt was eliminated from the trie
@@ -242,7 +248,9 @@ def test_auto_without_a_draft_takes_lookahead_steps_where_they_pay_and_stays_los
     in the prompt, it decodes in lookahead steps (few target calls); with verification costing a decode per
     token, it runs plain ar steps. Greedy output equals ar either way."""
     eng = engine(tiny_model, draft_layers=0)
-    first = eng.generate([GenerationRequest([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=30), decode=DecodeParams(mode="ar"))])[0]
+    first = eng.generate(
+        [GenerationRequest([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=30), decode=DecodeParams(mode="ar"))]
+    )[0]
     prompt = [3, 1, 4, 1, 5] + first.output_ids + [3, 1, 4, 1, 5]
     ar = eng.generate([GenerationRequest(prompt, SamplingParams(max_new_tokens=24), decode=DecodeParams(mode="ar"))])[0]
 

@@ -22,9 +22,11 @@ def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
     """A burst of 2 s of prefill and 2 s of decoding that decodes twice as fast gains 1.33x whole, 2x decoding;
     no mode could beat ar's 4 s by more than 4 / 2 = 2x on whole requests."""
     same, other = [[1, 2, 3]], [[1, 2, 4]]
-    samples = {("grounded", 1, "ar"): [_run(4.0, 40.0, 2.0, same), _run(4.2, 42.0, 2.1, same), _run(3.8, 38.0, 1.9, same)],
-               ("grounded", 1, "auto"): [_run(3.0, 20.0, 2.0, same, drafted=30)] * 3,
-               ("grounded", 1, "filter"): [_run(2.5, 15.0, 2.0, other, drafted=40)] * 3}
+    samples = {
+        ("grounded", 1, "ar"): [_run(4.0, 40.0, 2.0, same), _run(4.2, 42.0, 2.1, same), _run(3.8, 38.0, 1.9, same)],
+        ("grounded", 1, "auto"): [_run(3.0, 20.0, 2.0, same, drafted=30)] * 3,
+        ("grounded", 1, "filter"): [_run(2.5, 15.0, 2.0, other, drafted=40)] * 3,
+    }
     rows = {r["mode"]: r for r in _rows(samples, caps={})}
     ar, auto, lossy = rows["ar"], rows["auto"], rows["filter"]
     assert ar["served_vs_ar"] == 1.0 and ar["decode_vs_ar"] == 1.0
@@ -42,8 +44,12 @@ def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
     replayed = _verdict(list(rows.values()), ["ar", "auto", "filter"],
                         replays={("grounded", 1): SimpleNamespace(ratio=1.8)})
     assert "prefill); the planner's copies replayed on ar's outputs 1.80x (decoding alone, no noise)" in replayed
-    known = _verdict(list(rows.values()), ["ar", "auto", "filter"], replays={("grounded", 1): SimpleNamespace(ratio=1.8)},
-                     foresights={("grounded", 1): SimpleNamespace(ratio=3.0)})
+    known = _verdict(
+        list(rows.values()),
+        ["ar", "auto", "filter"],
+        replays={("grounded", 1): SimpleNamespace(ratio=1.8)},
+        foresights={("grounded", 1): SimpleNamespace(ratio=3.0)},
+    )
     # prefill is half of ar's time (cap 2.0): decoding 3x faster leaves 0.5 + 0.5 / 3 of it
     assert "(decoding alone, no noise); with each copy's yield known 3.00x, 1.50x on whole requests" in known
 

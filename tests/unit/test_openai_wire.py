@@ -40,16 +40,32 @@ def test_chat_defaults_and_precedence():
     assert msg.logprobs == 3 and opts.logprobs == 3
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"n": 2}, "n"), ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": "12"}, "max_tokens"), ({"max_tokens": 1.5}, "max_tokens"),
-    ({"max_tokens": 10**30}, "max_tokens"), ({"max_tokens": -1}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
-    ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"stop": [1]}, "stop"), ({"stream": "yes"}, "stream"),
-    ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": []}, "messages"), ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"), ({"model": 3}, "model"),
-])
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"n": 2}, "n"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": "12"}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": 10**30}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop": [1]}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"model": 3}, "model"),
+    ],
+)
 def test_bad_chat_fields_are_400_naming_the_field(extra, param):
     with pytest.raises(wire.WireError) as e:
         wire.chat_request({**CHAT, **extra})
@@ -96,7 +112,9 @@ def _lp(token, logprob, *top):
 
 
 def _result(output_ids, finish="length", prompt_tokens=3):
-    return GenerationResult("r", prompt_tokens, output_ids, "", finish, 0.1, 0.2, DecodeStats(target_tokens=len(output_ids)))
+    return GenerationResult(
+        "r", prompt_tokens, output_ids, "", finish, 0.1, 0.2, DecodeStats(target_tokens=len(output_ids))
+    )
 
 
 def _decode(ids):

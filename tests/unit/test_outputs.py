@@ -33,7 +33,9 @@ class _Router:
     async def _score(self, t):
         if self.scoring_fails:
             raise ConnectionError("target replica lost")
-        return [ScoreResult(t.request_id, [-float(i) for i in t.token_ids[t.start:]], [[] for _ in t.token_ids[t.start:]])]
+        return [
+            ScoreResult(t.request_id, [-float(i) for i in t.token_ids[t.start :]], [[] for _ in t.token_ids[t.start :]])
+        ]
 
     async def _events(self, r, idle_s=None):
         while True:

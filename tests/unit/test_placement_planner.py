@@ -47,8 +47,12 @@ def test_step_time_interpolates_between_and_beyond_measured_batches():
 
 def test_scaled_profiles_apply_the_measured_split_costs_and_survive_json():
     base = {"m": ModelProfile("m", GB, {ONE: flat(0.1)})}
-    out = scaled(base, ParallelCosts(tp_efficiency=0.8, pp_overhead=0.1), [ONE, Config(2, 1), Config(4, 1), Config(1, 2)],
-                 copies=2)
+    out = scaled(
+        base,
+        ParallelCosts(tp_efficiency=0.8, pp_overhead=0.1),
+        [ONE, Config(2, 1), Config(4, 1), Config(1, 2)],
+        copies=2,
+    )
     assert set(out) == {"m#1", "m#2"}
     p = out["m#1"]
     assert p.latency[Config(2, 1)].step(1) == pytest.approx(0.1 / (2 * 0.8))
@@ -251,7 +255,7 @@ def test_a_rare_model_is_placed_before_the_busy_ones_fill_the_memory():
     one; it must be placed first."""
     profiles = {"b1": model("b1", 0.5, 0.02), "b2": model("b2", 0.5, 0.02), "rare": model("rare", 0.6, 0.02)}
     problem = _problem(profiles, 2, 1.15, {"b1": 20.0, "b2": 20.0, "rare": 0.05}, cv=1.0, slo_scale=3.0,
-                       duration=30.0)
+                       duration=10.0)
     for plan in (planner.alpaserve(problem), planner.replication(problem)):
         assert planner.unplaced(problem, plan.placement) == [], str(plan.placement)
         groups = [Group(ONE), Group(ONE)]

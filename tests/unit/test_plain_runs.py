@@ -24,8 +24,16 @@ def _orchestrator(step_s: float = 0.040, max_position: int = 512) -> Orchestrato
 
 
 def _start(orch, rid, mode="ar", max_new_tokens=64, prompt=(5, 6, 7), decoded=True, **params):
-    s = orch.start(orch.validate(GenerationRequest(list(prompt), SamplingParams(max_new_tokens=max_new_tokens, **params),
-                                                   request_id=rid, decode=DecodeParams(mode=mode))))
+    s = orch.start(
+        orch.validate(
+            GenerationRequest(
+                list(prompt),
+                SamplingParams(max_new_tokens=max_new_tokens, **params),
+                request_id=rid,
+                decode=DecodeParams(mode=mode),
+            )
+        )
+    )
     if decoded:  # past its prefill: the target has answered it once
         orch.after_verify([VerifyResult(rid, [9], 0, 0, False)])
     return s
@@ -83,7 +91,11 @@ def test_a_runs_tokens_are_appended_until_the_request_ends_and_count_as_target_f
     orch = _orchestrator()
     s = _start(orch, "a", max_new_tokens=64, stop=("7 8",))
     events = orch.after_verify([VerifyResult("a", [4, 7, 8, 5], 0, 0, False, forwards=4)])
-    assert [t for e in events for t in e.token_ids] == [4, 7, 8]  # the stop string ends it; the run's last token is dropped
+    assert [t for e in events for t in e.token_ids] == [
+        4,
+        7,
+        8,
+    ]  # the stop string ends it; the run's last token is dropped
     assert s.output == [9, 4, 7, 8]
     assert s.finish_reason == "stop"
     assert s.stats.target_calls == 1 + 4

@@ -188,10 +188,14 @@ def test_one_long_copy_beside_plain_requests_pays_only_where_it_saves_whole_step
     forward (0.39 s), still less 12 tokens then 16 as llama.cpp slices it (0.52 s). Where it is the request furthest
     behind, they save steps it would decode alone (34 ms a token): the copy pays, even sliced. Alone, the copy is one
     slice and pays either way."""
-    even = [PlanInput(alpha=0.5, cap=0, remaining=40, **copy(16, 0.97))] + [PlanInput(alpha=0.5, cap=0, remaining=40)] * 11
+    even = [PlanInput(alpha=0.5, cap=0, remaining=40, **copy(16, 0.97))] + [
+        PlanInput(alpha=0.5, cap=0, remaining=40)
+    ] * 11
     assert plan_steps(even, QWEN_15B, CostTable()) == [AR] * 12
     assert plan_steps(even, QWEN_15B, CostTable(), sliced=True) == [AR] * 12
-    behind = [PlanInput(alpha=0.5, cap=0, remaining=48, **copy(16, 0.97))] + [PlanInput(alpha=0.5, cap=0, remaining=8)] * 11
+    behind = [PlanInput(alpha=0.5, cap=0, remaining=48, **copy(16, 0.97))] + [
+        PlanInput(alpha=0.5, cap=0, remaining=8)
+    ] * 11
     assert plan_steps(behind, QWEN_15B, CostTable())[0].mode == "ngram"
     assert plan_steps(behind, QWEN_15B, CostTable(), sliced=True)[0].mode == "ngram"
     assert plan_steps(even[:1], QWEN_15B, CostTable(), sliced=True) == plan_steps(even[:1], QWEN_15B, CostTable())

@@ -63,7 +63,7 @@ def _reference(text: str, stops: tuple[str, ...]) -> tuple[str, bool, int]:
     return text, False, hold
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)  # examples: the hypothesis profile (tests/conftest.py)
 @given(text=st.text(alphabet="abc", max_size=30), stops=st.lists(_small, min_size=1, max_size=4))
 def test_stream_cuts_and_holds_back_like_the_brute_force_reference(text, stops):
     stops = tuple(stops)
@@ -73,7 +73,7 @@ def test_stream_cuts_and_holds_back_like_the_brute_force_reference(text, stops):
     assert "".join(deltas) == want_text
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)  # examples: the hypothesis profile (tests/conftest.py)
 @given(text=st.text(alphabet="abc", max_size=30), stops=st.lists(_small, min_size=1, max_size=4))
 def test_matcher_depth_is_the_longest_partial_stop(text, stops):
     stops = tuple(stops)
