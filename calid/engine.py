@@ -21,6 +21,7 @@ The Serve router (serve_app) runs the same orchestrator against remote workers.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 from calid.decoding.lookahead import LookaheadConfig
@@ -30,7 +31,18 @@ from calid.orchestrator import EngineConfigError, Orchestrator
 from calid.runtime.runner import ModelRunner
 from calid.workers import DraftWorker, TargetWorker
 
-__all__ = ["Engine", "EngineConfigError"]
+__all__ = ["Engine", "EngineConfigError", "StepTimes"]
+
+
+@dataclass
+class StepTimes:
+    """Where the engine's decoding steps went, cumulative since it was built (plain data: a reader takes deltas).
+    The models' own forward time is in each runner's ``stats.forward_s`` (``Engine.forward_s``); a step's time less
+    that is what calid adds around the forwards: planning, the runners' work on logits, sampling, bookkeeping."""
+
+    steps: int = 0
+    step_s: float = 0.0  # whole steps: planning to the target's results appended
+    plan_s: float = 0.0  # of which the planner's (what each request asks of the draft: Orchestrator.draft_tasks)
 
 
 class Engine:
@@ -56,6 +68,8 @@ class Engine:
         self.drafter = (DraftWorker(draft, eos_ids, extra_drafts, max_forward_tokens)
                         if draft is not None else None)
         self._calibrated = False  # auto mode: forward costs measured once, on first use
+        self.times = StepTimes()
+        self._runners = [r for r in (target, draft, *extra_drafts) if r is not None]
 
     @classmethod
     def from_loaded(cls, target, draft=None, max_batch: int = 8, kv_budget_bytes: int | None = None,
@@ -123,6 +137,7 @@ class Engine:
         step_start = time.perf_counter()
         tasks = orch.draft_tasks(states)
         start = time.perf_counter()
+        self.times.plan_s += start - step_start
         drafts = self.drafter.draft(tasks) if tasks else []
         if drafts:
             orch.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
@@ -135,8 +150,15 @@ class Engine:
             lengths = [1 + len(t.draft) for t in verify]  # the sequences' tokens, unless the forward fed others
             orch.observe_verify(fed, time.perf_counter() - start, lengths=lengths if fed == sum(lengths) else None)
         events = orch.after_verify(results)
-        orch.observe_step(time.perf_counter() - step_start)
+        seconds = time.perf_counter() - step_start
+        orch.observe_step(seconds)
+        self.times.steps += 1
+        self.times.step_s += seconds
         yield from events
+
+    def forward_s(self) -> float:
+        """Seconds inside the models' own forwards so far (every runner's ``stats.forward_s``)."""
+        return sum(r.stats.forward_s for r in self._runners)
 
     def set_costs(self, verify, draft) -> None:
         """Use these cost tables (calid.planning.CostTable) for the auto mode instead of measuring (see

@@ -49,6 +49,16 @@ def _server_times(cfg) -> tuple[float, int, float]:
     return router["step_s"], router["steps"], forward
 
 
+def _model_forward_s(cfg) -> float:
+    """Seconds every worker's model has spent inside its own forwards so far (RunnerStats.forward_s; 0 for a
+    worker that reports none, e.g. a sharded target)."""
+    from ray import serve
+
+    roles = ("target", "draft") if cfg.draft is not None else ("target",)
+    return sum(serve.get_deployment_handle(role, cfg.app_name).stats.remote().result().get("forward_s", 0.0)
+               for role in roles)
+
+
 def _serving_ms(cfg, before: tuple[float, int, float], inproc_s: float) -> tuple[float, float]:
     """(serving ms per router step, the workers' forward seconds / the in-process run's seconds)."""
     step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))

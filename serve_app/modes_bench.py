@@ -1,7 +1,8 @@
 """``calid bench modes``: does any mode the server chooses lose to plain decoding, served or in process?
 
-Side by side in one run, same prompts, greedy, fixed output length (EOS ignored; ``--grounded-tokens N``: grounded
-answers run to their end, at most N tokens, since a refactor's answer is the whole function): for each workload,
+Side by side in one run, same prompts through the chat template, greedy, each answer to its EOS (at most
+``--max-new-tokens``: users' requests stop there; ``--ignore-eos`` is the stress case, labelled as such, where the
+model repeats itself past its answer and n-gram drafts copy it): for each workload,
 concurrency C and mode, a burst of C requests through gRPC + Ray Serve and the same C requests through
 the in-process ``Engine`` (batch C), alternating which goes first, repeated ``--rounds`` times, the modes in
 reverse order every other round (the median counts: the machine is shared and noisy, and drifts). Workloads:
@@ -29,11 +30,12 @@ import copy
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "rounds_vs_ar", "tpot_ms", "decode_vs_ar",
-           "prefill_cap", "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "draft_share",
-           "guard_plain", "same_as_ar", "filter_cap"]
+           "prefill_cap", "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "nonforward_ms",
+           "inproc_nonforward_ms", "inproc_plan_ms", "draft_share", "guard_plain", "same_as_ar", "filter_cap"]
 WORKLOADS = ("humaneval", "grounded")
 
 
@@ -44,9 +46,11 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="1,4,12", help="comma-separated burst sizes")
     p.add_argument("--workloads", default="humaneval,grounded", help=f"comma-separated among {', '.join(WORKLOADS)}")
     p.add_argument("--rounds", type=int, default=2, help="repeats of every point (median reported)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--grounded-tokens", type=int, default=0, help="grounded answers run to their end (EOS), at most "
-                   "this many tokens (0: --max-new-tokens, EOS ignored, as the other workloads)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="at most this many tokens an answer (default 96); "
+                   "answers end at EOS, as users' requests do")
+    p.add_argument("--ignore-eos", action="store_true", help="stress case, labelled as such in the table: every "
+                   "answer runs to --max-new-tokens past EOS (the model then repeats itself, which flatters n-gram "
+                   "drafts)")
     p.add_argument("--no-inproc", action="store_true", help="serve only (skip the in-process engine)")
     p.add_argument("--batch-invariant", choices=("on", "off"), default=None, help="override the app config's "
                    "batch_invariant (llama.cpp: exact forwards of at most 3 rows a call)")
@@ -67,10 +71,8 @@ def _options(args):
     sweep = parse_numbers(args.concurrency, int)
     if any(m not in MODES for m in modes) or any(w not in WORKLOADS for w in workloads) or not workloads:
         raise CalidError(f"--modes takes modes among {', '.join(MODES)}; --workloads among {', '.join(WORKLOADS)}")
-    if (not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2
-            or args.grounded_tokens < 0 or 0 < args.grounded_tokens < 2):
-        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1, --max-new-tokens >= 2, --grounded-tokens 0 "
-                         "or >= 2")
+    if not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2:
+        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1, --max-new-tokens >= 2")
     return ["ar"] + [m for m in modes if m != "ar"], workloads, sorted(set(sweep))
 
 
@@ -104,9 +106,7 @@ def run(args) -> int:
                                                 max_batch=top, max_forward_tokens=cfg.max_forward_tokens)
     texts = {"humaneval": humaneval_prompts(top), "grounded": grounded_prompts(top)}
     # per workload: at most how many tokens, and whether EOS ends an answer
-    lengths = {w: (args.max_new_tokens, False) for w in WORKLOADS}
-    if args.grounded_tokens:
-        lengths["grounded"] = (args.grounded_tokens, True)
+    lengths = {w: (args.max_new_tokens, not args.ignore_eos) for w in WORKLOADS}
     bandwidth = memory_bandwidth_gbs()
     limit = decode_limit_tok_s(bandwidth, target.decode_read_bytes)
     print(f"bench modes: target {cfg.target}, draft {cfg.draft}; modes {modes}; concurrency {sweep}; workloads "
@@ -177,6 +177,9 @@ def run(args) -> int:
         "steps with decoding, so the cap is lower than the truth)",
         "served_vs_inproc: served tokens/s / in-process tokens/s for the same requests (1.0 = serving costs nothing)",
         "serving_ms_per_step: (router step time - workers' forward time) / router steps: transport and router work",
+        "nonforward_ms / inproc_nonforward_ms: a step's time less the models' own forwards (llama_decode; the torch "
+        "model's call), served (router steps) and in process: all that calid adds around the forwards (goal < 1 ms at "
+        "c1); inproc_plan_ms: of which the auto planner's",
         "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
         "tokens) / all output tokens",
         "guard_plain: served steps whose plan drafted but that the router's StepGuard ran plain, because the plan's "
@@ -219,22 +222,25 @@ def _round_order(modes: list[str], rnd: int) -> list[str]:
 
 
 def _lengths_text(lengths: dict, workloads: list[str]) -> str:
-    return "; ".join(f"{w}: " + (f"to EOS, at most {n} new tokens" if to_eos else f"{n} new tokens (EOS ignored)")
+    return "; ".join(f"{w}: " + (f"to EOS, at most {n} new tokens" if to_eos else f"{n} new tokens (STRESS CASE: EOS "
+                                                                                 "ignored)")
                      for w, (n, to_eos) in lengths.items() if w in workloads)
 
 
 def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_first: bool) -> dict:
     """One burst of ``new`` tokens a request (``to_eos``: or fewer, where EOS ends it) served and (unless engine is
     None) the same burst in process, in the given order."""
-    from serve_app.bench import _server_times
+    from serve_app.bench import _model_forward_s, _server_times
 
     def served():
-        before, overruled = _server_times(cfg), _overruled(cfg)
+        before, overruled, model_s = _server_times(cfg), _overruled(cfg), _model_forward_s(cfg)
         t = time.perf_counter()
         out = asyncio.run(_burst(address, cfg.app_name, mode, prompts, new, to_eos))
         seconds = time.perf_counter() - t
         step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
+        model_s = _model_forward_s(cfg) - model_s
         return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
+                "nonforward_ms": (step_s - model_s) * 1000 / steps if steps else float("nan"),
                 "tpot_ms": statistics.mean(_tpot_ms(r) for r in out),
                 "first_tokens_s": max(float(r.stats.get("ttft_ms", 0.0)) for r in out) / 1000,
                 "guard_plain": _overruled(cfg) - overruled,
@@ -247,9 +253,15 @@ def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_f
         from calid.generation import GenerationRequest, SamplingParams
 
         params = SamplingParams(max_new_tokens=new, ignore_eos=not to_eos)
+        times, model_s = replace(engine.times), engine.forward_s()
         t = time.perf_counter()
         out = engine.generate([GenerationRequest(list(i), params, decode=DecodeParams(mode=mode)) for i in ids])
-        return {"inproc_s": time.perf_counter() - t, "inproc_tokens": sum(len(r.output_ids) for r in out)}
+        seconds = time.perf_counter() - t
+        steps = engine.times.steps - times.steps
+        other = engine.times.step_s - times.step_s - (engine.forward_s() - model_s)
+        return {"inproc_s": seconds, "inproc_tokens": sum(len(r.output_ids) for r in out),
+                "inproc_nonforward_ms": other * 1000 / steps if steps else float("nan"),
+                "inproc_plan_ms": (engine.times.plan_s - times.plan_s) * 1000 / steps if steps else float("nan")}
 
     parts = [inproc, served] if inproc_first else [served, inproc]
     out = {}
@@ -297,7 +309,8 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
         row = {"workload": w, "concurrency": c, "mode": mode, "served_tok_s": statistics.median(rates),
                "tpot_ms": med("tpot_ms"), "_burst_s": med("served_s"), "_first_tokens_s": med("first_tokens_s"),
                "inproc_tok_s": _median_rate(runs, "inproc_tokens", "inproc_s"),
-               "serving_ms_per_step": med("serving_ms_per_step"),
+               "serving_ms_per_step": med("serving_ms_per_step"), "nonforward_ms": med("nonforward_ms"),
+               "inproc_nonforward_ms": med("inproc_nonforward_ms"), "inproc_plan_ms": med("inproc_plan_ms"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
                "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"],

@@ -1,8 +1,8 @@
 """``calid bench peers``: calid against the servers a user would run instead, through one OpenAI client.
 
 One load client (the openai SDK's async client, streaming chat completions, greedy, the same HumanEval
-prompts, ``ignore_eos`` asked of every server) runs a closed-loop concurrency sweep against, one after the
-other on the same machine and GGUF:
+prompts, each answer to its EOS as users' requests end; ``--ignore-eos``: the labelled stress case) runs a
+closed-loop concurrency sweep against, one after the other on the same machine and GGUF:
   calid               ``calid serve``'s OpenAI HTTP API, in each of --modes (ar, auto, filter);
   llama-cpp-python    its own OpenAI server (``python -m llama_cpp.server``) over the same llama-cpp-python
                       build calid uses (it needs the server's web packages: ``pip install 'calid[bench]'``);
@@ -50,7 +50,9 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=0, help="requests per point (default: 2 x concurrency, >= 4)")
     p.add_argument("--rounds", type=int, default=1, help="repeats of the sweep, servers in reverse order every other "
                    "round (medians reported; the trace replay runs in the first round only)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="at most this many tokens an answer (default 96)")
+    p.add_argument("--ignore-eos", action="store_true", help="stress case: the sweep's answers run past EOS to "
+                   "--max-new-tokens (the trace replay always runs to the trace's output lengths)")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads of every server (default: all cores)")
     p.add_argument("--llama-server", default=shutil.which("llama-server"),
                    help="llama-server binary (default: on PATH)")
@@ -228,12 +230,12 @@ def _requests(args, c: int) -> int:
 def _sweep(url: str, model: str, server: str, mode: str, sweep: list[int], prompts: list[str], args) -> list:
     """(server, mode, load, outcomes) per concurrency of the closed-loop sweep."""
     runs, at = [], 1
-    asyncio.run(_closed_loop(url, model, mode, server, 1, prompts[:1], 8))  # warm the path (first-call costs)
+    asyncio.run(_closed_loop(url, model, mode, server, 1, prompts[:1], 8, True))  # warm the path (first-call costs)
     for c in sweep:  # fresh prompts per point, the same ones for every server: no server answers from a prompt cache
         n = _requests(args, c)
         point = [prompts[(at + i) % len(prompts)] for i in range(n)]
         at += n
-        outs = asyncio.run(_closed_loop(url, model, mode, server, c, point, args.max_new_tokens))
+        outs = asyncio.run(_closed_loop(url, model, mode, server, c, point, args.max_new_tokens, args.ignore_eos))
         runs.append((server, mode, f"c{c}", outs))
         _say(server, mode, f"c{c}", outs)
     return runs
@@ -341,7 +343,7 @@ def _rows(runs: list, slo_scale: float, limit: float) -> tuple[list[dict], objec
 
 
 async def _closed_loop(url: str, model: str, mode: str, server: str, clients: int, prompts: list[str],
-                       max_new: int) -> list:
+                       max_new: int, ignore_eos: bool) -> list:
     """Each of ``prompts`` once, by ``clients`` clients that each send their next when the last one ends."""
     from openai import AsyncOpenAI
 
@@ -350,20 +352,21 @@ async def _closed_loop(url: str, model: str, mode: str, server: str, clients: in
         async def worker():
             while todo:
                 prompt = prompts[todo.pop()]
-                out.append(await _one(client, model, server, mode, max_new, messages=[{"role": "user",
-                                                                                        "content": prompt}]))
+                out.append(await _one(client, model, server, mode, max_new, [{"role": "user", "content": prompt}],
+                                      ignore_eos=ignore_eos))
 
         await asyncio.gather(*(worker() for _ in range(clients)))
     return out
 
 
 async def _one(client, model: str, server: str, mode: str, max_new: int, messages: list | None = None,
-               prompt: str | None = None):
+               prompt: str | None = None, ignore_eos: bool = True):
     """One streamed request (a chat with ``messages``, else a raw completion of ``prompt``), greedy, EOS
-    ignored; tokens from the usage the server reports at the end, else one per chunk with text."""
+    ignored unless ``ignore_eos`` is False; tokens from the usage the server reports at the end, else one per chunk
+    with text."""
     from calid.bench.load import Outcome
 
-    extra = {"ignore_eos": True, **({"mode": mode} if server == "calid" else {})}
+    extra = {"ignore_eos": ignore_eos, **({"mode": mode} if server == "calid" else {})}
     common = dict(model=model, max_tokens=max_new, temperature=0, stream=True, extra_body=extra,
                   stream_options={"include_usage": True})
     sent, first, last, chunks, usage = time.perf_counter(), None, None, 0, None

@@ -218,7 +218,7 @@ class _WorkerBase:
                 "busy_s": self._busy_s, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
                 **({"tokens": runner.tokens, "recomputed_tokens": runner.recomputed_tokens,
                      "reused_tokens": runner.reused_tokens, "forwards": runner.forwards,
-                     "ubatches": runner.ubatches} if runner else {})}
+                     "ubatches": runner.ubatches, "forward_s": runner.forward_s} if runner else {})}
 
     def _cached(self) -> int:
         return self._runner.cached_count()

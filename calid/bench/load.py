@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-# the Azure LLM inference trace 2023 (conversation services), where the workplace keeps it beside the repository
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure-llm-trace-2023" / \
-    "AzureLLMInferenceTrace_conv.csv"
+# the first 2,000 requests of the Azure LLM inference trace 2023 (conversation services), shipped here with its
+# source and license (data/README.md); --trace takes the whole file
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_trace_2023_conv_sample.csv"
 
 
 @dataclass(frozen=True)

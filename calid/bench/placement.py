@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 DEFAULT_MODELS = "qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct,smollm2-135m-instruct"
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure-llm-trace-2023" / \
-    "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_trace_2023_conv_sample.csv"
 BATCHES = (1, 2, 4, 8)
 SCALED_CONFIGS = ["tp1xpp1", "tp2xpp1", "tp1xpp2", "tp4xpp1", "tp2xpp2", "tp1xpp4", "tp8xpp1", "tp4xpp2"]
 PLANNER_ORDER = ("alpaserve", "replication", "dedicated")

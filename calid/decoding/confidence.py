@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from calid.decoding.sampling import argmax_rows
+
 
 @dataclass(frozen=True)
 class Threshold:
@@ -44,6 +46,7 @@ class Threshold:
 
 def top1(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] -> (top-1 token [N], NLL of that token [N]) under the unwarped softmax."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    nll, token = (-logp).min(dim=-1)
-    return token, nll
+    logits = logits.float()
+    token = torch.tensor(argmax_rows(logits), dtype=torch.long, device=logits.device)  # [N]
+    top = logits.gather(-1, token[:, None]).squeeze(-1)  # [N]
+    return token, torch.logsumexp(logits, dim=-1) - top  # -log softmax(top): no [N, V] log-probabilities

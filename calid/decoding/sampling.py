@@ -42,6 +42,18 @@ def warp(logits: torch.Tensor, w: Warp) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """logits [N, V] -> each row's argmax [N] as ints (the first index on ties, as ``torch.argmax``).
+
+    On CPU float32 rows this goes through numpy: over a 152k vocabulary torch's argmax takes 0.2-0.4 ms a row on
+    a 2-core CPU, numpy's 0.02-0.07 ms, and a greedy step asks for one or two rows (measured beside a llama.cpp
+    decode of Qwen2.5 1.5B, where 3 ms of a step went to such whole-vocabulary passes).
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """probs [N, V] -> token ids [N]; one-hot rows give their argmax deterministically.
 

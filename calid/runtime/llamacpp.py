@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -310,9 +311,13 @@ class LlamaCppRunner:
                 raise ValueError(f"sequence {inp.seq_id!r} has no new tokens")
             s = self._get(inp.seq_id, pinned)
             past, q = len(s.tokens), len(inp.tokens)
-            positions = np.asarray(inp.positions if inp.positions is not None else range(past, past + q))
-            if positions.max() >= self.cells_per_slot:
-                raise LlamaCppError(f"sequence {inp.seq_id!r} reaches position {positions.max()}, beyond the "
+            if inp.positions is None:  # a chain after the cached tokens (a range: no array to build each step)
+                positions, last = range(past, past + q), past + q - 1
+            else:
+                positions = np.asarray(inp.positions)
+                last = int(positions.max())
+            if last >= self.cells_per_slot:
+                raise LlamaCppError(f"sequence {inp.seq_id!r} reaches position {last}, beyond the "
                                     f"{self.cells_per_slot} tokens of KV per sequence; raise the KV budget")
             at = inp.logits_at if inp.logits_at is not None else [q - 1]
             cov = cover(inp.ancestors.cpu().numpy(), positions) if inp.ancestors is not None else None
@@ -344,7 +349,7 @@ class LlamaCppRunner:
         self.stats.tokens += len(entries)
         self.stats.forwards += 1
         self._synced.clear()
-        return [torch.stack([got[e] for e in rows]) for rows in wanted]
+        return [got[rows[0]][None] if len(rows) == 1 else torch.stack([got[e] for e in rows]) for rows in wanted]
 
     def _calls(self, entries: list) -> list[list[int]]:
         """Group entries into llama_decode calls.
@@ -430,7 +435,9 @@ class LlamaCppRunner:
             b.logits[i] = flag
         b.n_tokens = len(entries)
         self.stats.ubatches += len(ubatches([e[2] for e in entries], self._n_ubatch))
+        start = time.perf_counter()
         rc = self._lib.llama_decode(self._ctx, b)
+        self.stats.forward_s += time.perf_counter() - start
         if rc != 0:
             for inp in inputs:  # the cache may hold part of this forward: forget these sequences
                 self._release(inp.seq_id)
@@ -598,5 +605,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
+    if a[:n] == b[:n]:  # the usual case, a cache behind its ids: one C-level compare, no arrays
+        return n
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if len(diff) else n

@@ -7,6 +7,7 @@ sequences at once and returns the logits the caller asked for.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -44,6 +45,8 @@ class RunnerStats:
     recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
     reused_tokens: int = 0  # prompt tokens taken over from another sequence's cache instead of computed
     ubatches: int = 0  # llama.cpp: the ubatches its forwards ran as, each reading every weight (llamacpp.ubatches)
+    forward_s: float = 0.0  # seconds inside the model's own forward (llama_decode; the torch model's call): a step's
+    # time less this is what calid adds around the forward (calid bench modes prints it)
 
 
 KV_LAYOUTS = ("paged", "contiguous")
@@ -163,10 +166,12 @@ class ModelRunner:
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
         """Feed each sequence's new tokens; return logits [len(logits_at), vocab] per sequence."""
         seqs, ids, positions, logits_index = self._slices(inputs)
+        start = time.perf_counter()
         if self.graphs is not None and len(logits_index) == len(seqs) and self.graphs.fits(seqs):
             logits = self.graphs.run(seqs, ids, positions)
         else:
             logits = self.model(self._batch(seqs, ids, positions, logits_index))
+        self.stats.forward_s += time.perf_counter() - start
         for inp, s in zip(inputs, seqs):
             s.cache.commit(inp.tokens)
         self.caches.enforce_budget(pinned=set())

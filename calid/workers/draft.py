@@ -14,7 +14,7 @@ from typing import Hashable
 import torch
 
 from calid.decoding.confidence import top1
-from calid.decoding.sampling import sample, warp
+from calid.decoding.sampling import argmax_rows, sample, warp
 from calid.decoding.tree import TokenTree
 from calid.runtime.runner import ModelRunner, SeqInput
 from calid.workers.messages import DraftResult, DraftTask, load_generator, require_full_ids, save_generator
@@ -36,16 +36,17 @@ class _Chain:
         self.forwards = 0
         self.eos_ids = eos_ids
 
-    def extend(self, row: torch.Tensor, nll: float) -> None:
+    def extend(self, row: torch.Tensor, nll: float, top: int) -> None:
+        """One draft position: ``row`` its logits, ``top`` their argmax and ``nll`` its -log softmax."""
         t = self.task
         self.forwards += 1
         confident = nll <= t.confidence_nll
         if t.decode.mode == "filter" and not confident:
             self.done, self.needs_target = True, True  # the target generates this token
-            self.held_out = (int(row.argmax()), math.exp(-nll))  # what it would have been (quality budget)
+            self.held_out = (top, math.exp(-nll))  # what it would have been (quality budget)
             return
         if t.warp.greedy:  # one-hot q: the argmax, without a distribution over the whole vocabulary
-            token = int(row.argmax())
+            token = top
         else:
             q = warp(row[None], t.warp)[0]
             token = int(sample(q[None], self.generator)[0])
@@ -134,9 +135,9 @@ class DraftWorker:
             inputs = [SeqInput(c.task.request_id, self.runner.sync(c.task.request_id, c.task.token_ids + c.tokens))
                       for c in live]
             rows = torch.cat(self.runner.forward(inputs))  # [B, V]
-            _, nll = top1(rows)  # [B]
-            for c, row, row_nll in zip(live, rows, nll.tolist()):
-                c.extend(row, row_nll)
+            best, nll = top1(rows)  # [B], [B]
+            for c, row, row_nll, top in zip(live, rows, nll.tolist(), best.tolist()):
+                c.extend(row, row_nll, top)
 
     def _draft_trees(self, tasks: list[DraftTask]) -> dict[Hashable, DraftResult]:
         """Draft every request's tree, one batched draft forward per depth over all chains.
@@ -227,9 +228,8 @@ class DraftWorker:
         live = [(t, -1) for t in tasks if min(t.decode.gamma, t.budget) > 0]
         while live:
             rows, nll = _forward_tips(runner, [(_extra_lane(t.request_id, k), t, tip) for t, tip in live], trees)
-            best = rows.argmax(-1)
             still = []
-            for (t, tip), token, row_nll in zip(live, best.tolist(), nll.tolist()):
+            for (t, tip), token, row_nll in zip(live, argmax_rows(rows), nll.tolist()):
                 tree = trees[t.request_id]
                 node = tree.add(token, tip)  # joins an existing branch when the drafters agree
                 forwards[t.request_id] += 1

@@ -24,7 +24,7 @@ import torch
 
 from calid.decoding.acceptance import RuleInput, get_rule
 from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
-from calid.decoding.sampling import warp
+from calid.decoding.sampling import argmax_rows, warp
 from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled, verify_stochastic
 from calid.runtime.runner import ModelRunner, SeqInput
 from calid.workers.messages import (
@@ -238,6 +238,15 @@ class TargetWorker:
         return SeqInput(t.request_id, suffix, logits_at=rows)
 
     def _chain_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
+        verifying = t.decode.mode in ("speculative", "rollback")
+        audit, end = None, len(t.token_ids) + len(t.draft)
+        if not verifying and len(rows) > 1:  # filter audit rows: does each id equal the target's top-1?
+            ids = (t.token_ids + t.draft)[end - len(rows) + 1:]
+            audit = [a == b for a, b in zip(argmax_rows(rows[:-1]), ids)]
+            rows = rows[-1:]
+        audit_from = end - len(audit or ())
+        if t.warp.greedy and t.q is None and t.decode.mode != "rollback":
+            return self._greedy_verdict(t, rows, verifying, audit_from, audit)
         generator = load_generator(t.rng, rows.device)
         draft = torch.tensor(t.draft, dtype=torch.long, device=rows.device)
         target_nll = None
@@ -246,12 +255,6 @@ class TargetWorker:
         q = None if t.q is None else t.q.to(rows.device)  # the draft's rows may come from another device
         if q is None and t.decode.mode == "speculative" and t.draft:  # greedy draft: one-hot rows
             q = torch.zeros(len(t.draft), rows.shape[-1], device=rows.device).scatter_(1, draft[:, None], 1.0)
-        verifying = t.decode.mode in ("speculative", "rollback")
-        audit, end = None, len(t.token_ids) + len(t.draft)
-        if not verifying and len(rows) > 1:  # filter audit rows: does each id equal the target's top-1?
-            ids = (t.token_ids + t.draft)[end - len(rows) + 1:]
-            audit = [a == b for a, b in zip(rows[:-1].argmax(-1).tolist(), ids)]
-            rows = rows[-1:]
         rule = get_rule("filter" if t.decode.mode == "ar" else t.decode.mode)
         v = rule(RuleInput(draft=draft, q=q, p=warp(rows, t.warp), generator=generator,
                            target_nll=target_nll, rollback_nll=t.decode.rollback_nll))
@@ -263,9 +266,26 @@ class TargetWorker:
             verifying,
             save_generator(generator),
             top1=int(rows[v.accepted if verifying else -1].argmax()),
-            audit_from=end - len(audit or ()),
+            audit_from=audit_from,
             audit=audit,
         )
+
+    @staticmethod
+    def _greedy_verdict(t: VerifyTask, rows: torch.Tensor, verifying: bool, audit_from: int,
+                        audit: list[bool] | None) -> VerifyResult:
+        """A greedy chain (ar, filter, speculative with a greedy draft) decided by the target's argmax at each row,
+        with no [rows, V] distribution: the acceptance rules' one-hot arithmetic comes to exactly this. Filter and
+        ar keep every draft token and add the argmax after the last; speculative accepts while a draft token is
+        the argmax before it (p(x) = 1 under a one-hot target, 0 otherwise) and adds the argmax where it stopped
+        (the residual max(0, p - q) of two one-hot rows is the target's one-hot row). Nothing is drawn, so the
+        request's generator state passes through unchanged."""
+        top = argmax_rows(rows)  # [g + 1] with verifying, else [1]
+        accepted = len(t.draft)
+        if verifying:
+            accepted = next((i for i, (d, a) in enumerate(zip(t.draft, top)) if d != a), len(t.draft))
+        token = top[accepted if verifying else -1]
+        return VerifyResult(t.request_id, t.draft[:accepted] + [token], accepted, len(t.draft), verifying, t.rng,
+                            top1=token, audit_from=audit_from, audit=audit)
 
     def _tree_input(self, t: VerifyTask, tree: TokenTree) -> SeqInput:
         committed = t.token_ids
@@ -279,7 +299,7 @@ class TargetWorker:
     def _tree_verdict(self, t: VerifyTask, tree: TokenTree, rows: torch.Tensor) -> VerifyResult:
         generator = load_generator(t.rng, rows.device)
         if t.warp.greedy:
-            verdict = verify_greedy(tree, rows.argmax(-1).tolist())
+            verdict = verify_greedy(tree, argmax_rows(rows))
         elif t.q is not None:  # i.i.d. sampled children (SpecInfer): multi-step speculative sampling
             verdict = verify_stochastic(tree, warp(rows, t.warp), t.q.to(rows.device), generator)
         else:

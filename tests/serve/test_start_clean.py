@@ -29,6 +29,47 @@ def _error_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.startswith("calid: error:")]
 
 
+def _serve_then_sigterm(ready, env: dict | None = None, group: bool = False) -> tuple[int, str, list[int], float]:
+    """Start ``calid serve`` (SmolLM2, no draft), call ``ready(proc, port)`` until it has what it waits for (it
+    returns the pids to watch), SIGTERM the server (its whole process group with ``group``) and wait for it: (exit
+    code, stderr, the watched pids, seconds from the signal to the exit)."""
+    port = _free_port()
+    proc = subprocess.Popen([CALID, *SMALL, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env or _user_env(), start_new_session=True)
+    try:
+        family = ready(proc, port)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        t = time.monotonic()
+        rc = proc.wait(120)
+        took = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return rc, proc.stderr.read(), family, took
+
+
+def _serving(proc, port) -> list[int]:
+    _wait_ready(port, proc, "", timeout_s=240)
+    return [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+
+
+def _ray_started(proc, port) -> list[int]:
+    """Ray's GCS runs (the start is under way, the app not yet serving); Ray's processes so far."""
+    family: set[int] = set()
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        family |= {c.pid for c in kids}
+        if any("gcs_server" in c.name() for c in kids):
+            time.sleep(1.0)
+            return sorted(family | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)})
+        time.sleep(0.2)
+    pytest.fail("Ray did not start")
+
+
 @pytest.fixture()
 def ray_tmp():
     """A Ray temp folder of this test's own (RAY_TMPDIR): short, since Ray's socket paths live under it."""
@@ -47,18 +88,7 @@ def test_a_stale_record_and_a_leftover_session_get_one_line_and_a_working_start(
     (ray_dir / "session_latest").symlink_to(session)
     dead = _dead_address()
     (ray_dir / "ray_current_cluster").write_text(dead)
-    port = _free_port()
-    proc = subprocess.Popen([CALID, *SMALL, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**_user_env(), "RAY_TMPDIR": str(ray_tmp)}, start_new_session=True)
-    try:
-        _wait_ready(port, proc, "", timeout_s=240)
-        family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    err = proc.stderr.read()
+    rc, err, family, _ = _serve_then_sigterm(_serving, env={**_user_env(), "RAY_TMPDIR": str(ray_tmp)})
     assert rc == 0, err[-3000:]
     said = [ln for ln in err.splitlines() if "ignoring" in ln]
     assert len(said) == 1 and dead in said[0] and "no longer answers" in said[0], err[-3000:]
@@ -106,52 +136,18 @@ def test_a_port_in_use_is_refused_in_one_line_naming_the_flag(which):
 def test_a_signal_while_starting_stops_cleanly_with_no_process_left():
     """SIGTERM after Ray is up but before the app serves: exit 0, one line, no Ray process left, no native
     stack dump (Ray's own SIGTERM handler used to end it with exit 134)."""
-    port = _free_port()
-    proc = subprocess.Popen([CALID, *SMALL, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_user_env(), start_new_session=True)
-    family: set[int] = set()
-    try:
-        end = time.monotonic() + 120
-        while time.monotonic() < end:  # until Ray's GCS runs: the start is under way
-            kids = psutil.Process(proc.pid).children(recursive=True)
-            family |= {c.pid for c in kids}
-            if any("gcs_server" in c.name() for c in kids):
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("Ray did not start")
-        time.sleep(1.0)
-        family |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    err = proc.stderr.read()
+    rc, err, family, _ = _serve_then_sigterm(_ray_started)
     assert rc == 0, err[-3000:]
     assert "SIGTERM while starting: no request had been admitted, none dropped" in err, err[-3000:]
     assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
     time.sleep(2)
-    assert _alive(sorted(family)) == []
+    assert _alive(family) == []
 
 
 def test_a_signal_to_the_whole_process_group_exits_at_once():
     """systemd's stop or `kill -- -PGID` sends SIGTERM to Ray's processes too: calid says so and exits 0 at once,
     instead of waiting a minute on a GCS that is gone and ending with Ray's "The program will terminate"."""
-    port = _free_port()
-    proc = subprocess.Popen([CALID, *SMALL, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_user_env(), start_new_session=True)
-    try:
-        _wait_ready(port, proc, "", timeout_s=240)
-        family = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        os.killpg(proc.pid, signal.SIGTERM)
-        t = time.monotonic()
-        rc = proc.wait(120)
-        took = time.monotonic() - t
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    err = proc.stderr.read()
+    rc, err, family, took = _serve_then_sigterm(_serving, group=True)
     assert rc == 0, err[-3000:]
     assert "the signal ended Ray's own processes too" in err and "Failed to connect to GCS" not in err, err[-3000:]
     assert took < 20

@@ -19,7 +19,7 @@ from calid.cli import main
         (["bench", "modes", "--workloads", "chat"], "--workloads among humaneval, grounded"),
         (["bench", "modes", "--concurrency", "0"], "--concurrency takes counts >= 1"),
         (["bench", "modes", "--plain-run-ms", "-5"], "--plain-run-ms takes milliseconds >= 0"),
-        (["bench", "modes", "--grounded-tokens", "1"], "--grounded-tokens 0 or >= 2"),
+        (["bench", "modes", "--max-new-tokens", "1"], "--max-new-tokens >= 2"),
         (["bench", "peers", "--peers", "vllm"], "--peers among llama-cpp-python, llama-server"),
         (["bench", "peers", "--plain-run-ms", "-1"], "--plain-run-ms takes milliseconds >= 0"),
         (["bench", "peers", "--rounds", "0"], "--rounds takes a count >= 1"),

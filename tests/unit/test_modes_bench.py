@@ -63,7 +63,7 @@ def test_a_decoding_speed_up_counts_on_whole_requests_only_past_the_prefill():
 
 
 def test_answers_that_stop_at_eos_are_rated_by_their_own_tokens():
-    """Grounded answers run to their end (--grounded-tokens): a mode's runs may stop at different lengths, so each run
+    """Answers run to their end (EOS, the default): a mode's runs may stop at different lengths, so each run
     is rated by its own tokens and seconds (median over runs), served and in process."""
     runs = [dict(_run(4.0, 40.0, 2.0, [[1]]), tokens=100, inproc_s=2.0, inproc_tokens=100),
             dict(_run(3.0, 40.0, 2.0, [[1]]), tokens=90, inproc_s=3.0, inproc_tokens=90),
