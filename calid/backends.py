@@ -228,6 +228,8 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
             draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log,
                                invariant=invariant, prompt_cache=prompt_cache)
         if isinstance(target, OpenModel):
+            from calid.engine import check_vocab
+
             check_vocab(target, draft)
         return draft
     loaded = target.loaded if isinstance(target, OpenModel) else None
@@ -252,15 +254,6 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
     )
 
 
-def check_vocab(target: OpenModel, draft: OpenModel) -> None:
-    """Draft and target must share a tokenizer and agree on the logits' width."""
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-        raise BackendError(f"draft {draft.name} and target {target.name} have different tokenizers")
-    if draft.runner.vocab_size != target.runner.vocab_size:
-        raise BackendError(f"draft {draft.name} ({draft.runner.vocab_size} logits) and target {target.name} "
-                           f"({target.runner.vocab_size}) disagree on the vocabulary size")
-
-
 def model_facts(spec: str, backend: str = "auto", device: str = "cpu", sharded: bool = False,
                 show_progress: bool = True) -> tuple[str, Path]:
     """(backend, folder with config.json and the tokenizer) for ``spec``, without loading its weights.
@@ -275,3 +268,24 @@ def model_facts(spec: str, backend: str = "auto", device: str = "cpu", sharded: 
 
         return chosen, gguf_companion(spec, gguf_file(spec, show_progress))
     return chosen, resolve(spec, show_progress).path
+
+
+def build_engine(target, draft_spec: str | None, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
+                 max_batch: int = 8, extra_specs: list[str] | tuple = (), draft_backend: str | None = None,
+                 invariant: bool | None = None, max_forward_tokens: int | None = None, draft_weights: str = "auto"):
+    """Engine over an opened target (calid.backends.OpenModel), an optional draft and extra tree drafters
+    (model specs, or self:N). ``draft_backend`` defaults to ``backend``; ``max_forward_tokens``: SARATHI's
+    budget per forward (needed when many prompts start together: llama.cpp refuses a forward over its batch);
+    ``draft_weights``: calid.models.draft_weights."""
+    from calid.engine import Engine
+
+    if extra_specs and not draft_spec:
+        raise CalidError("--extra-draft needs a main --draft")
+
+    def runner(spec: str):
+        return open_draft(spec, target, draft_backend or backend, dtype, device, invariant=invariant,
+                          weights=draft_weights).runner
+
+    return Engine(target.runner, target.tokenizer, target.eos_ids,
+                  draft=runner(draft_spec) if draft_spec else None, max_batch=max_batch,
+                  extra_drafts=[runner(s) for s in extra_specs], max_forward_tokens=max_forward_tokens)

@@ -84,8 +84,6 @@ class Engine:
     def from_models(cls, target, draft=None, max_batch: int = 8, **kw) -> "Engine":
         """Engine over opened models (``calid.open_model``: any backend); refuses a draft with another
         tokenizer."""
-        from calid.backends import check_vocab
-
         if draft is not None:
             check_vocab(target, draft)
         return cls(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner if draft else None,
@@ -190,3 +188,12 @@ def check_pair(target, draft) -> None:
     """A draft must speak the target's tokenizer (LoadedModels)."""
     if draft is not None and draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise EngineConfigError(f"draft {draft.name} and target {target.name} have different tokenizers")
+
+
+def check_vocab(target, draft) -> None:
+    """Draft and target (calid.backends.OpenModel) must share a tokenizer and agree on the logits' width."""
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise EngineConfigError(f"draft {draft.name} and target {target.name} have different tokenizers")
+    if draft.runner.vocab_size != target.runner.vocab_size:
+        raise EngineConfigError(f"draft {draft.name} ({draft.runner.vocab_size} logits) and target {target.name} "
+                           f"({target.runner.vocab_size}) disagree on the vocabulary size")

@@ -1,4 +1,4 @@
-"""How many draft and target replicas a load needs (pure; serve_app.autoscaling feeds it).
+"""How many draft and target replicas a load needs (pure; serve_app.router.autoscaling feeds it).
 
 Terms:
   token rate          output tokens/s the routers are producing (over a window)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from serve_app.local import loopback_env
+from serve_app.cluster.local import loopback_env
 
 loopback_env()  # before anything imports ray: Ray reads these at import
 

@@ -18,7 +18,7 @@ import torch
 
 from calid.bench.data import humaneval_prompts
 from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
-from calid.bench.peers import LlamaCppOwn, add_backend_args
+from calid.bench.baselines import LlamaCppOwn, add_backend_args
 from calid.bench.report import write_report
 from calid.progress import progress
 

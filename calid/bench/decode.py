@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from calid.bench.data import humaneval, humaneval_prompts, mtbench_questions
-from calid.bench.peers import LlamaCppOwn, add_backend_args
+from calid.bench.baselines import LlamaCppOwn, add_backend_args
 from calid.bench.report import parse_numbers, write_report
 from calid.bench.side_by_side import Prompt, run_configs, tabulate
 from calid.decoding.modes import DecodeParams
@@ -66,7 +66,7 @@ def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from calid.backends import cpu_summary, gguf_file, open_model
-    from calid.cli import build_engine
+    from calid.backends import build_engine
     from calid.errors import CalidError
     from calid.generation import GenerationRequest, SamplingParams
     from calid.models.source import resolve

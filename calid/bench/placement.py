@@ -13,7 +13,7 @@
               copy each), serves each plan (--live-plans) as a multi-model calid app with every model's
               replicas pinned to their group's cores, replays --duration seconds of the same arrivals through
               gRPC, and prints measured attainment beside the simulator's for the same requests
-              (serve_app.placement_live).
+              (serve_app.bench.placement_live).
 """
 from __future__ import annotations
 
@@ -22,14 +22,16 @@ import sys
 import time
 from pathlib import Path
 
+from calid.placement.traffic import DEFAULT_TRACE
+
 DEFAULT_MODELS = "qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct,smollm2-135m-instruct"
-DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "azure_llm_trace_2023_conv_sample.csv"
 BATCHES = (1, 2, 4, 8)
 SCALED_CONFIGS = ["tp1xpp1", "tp2xpp1", "tp1xpp2", "tp4xpp1", "tp2xpp2", "tp1xpp4", "tp8xpp1", "tp4xpp2"]
 PLANNER_ORDER = ("alpaserve", "replication", "dedicated")
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, run_live=None) -> None:
+    """``run_live(args)``: the live run (serve_app.bench.placement_live adds this command with it)."""
     p = sub.add_parser("placement", help="several models on one device pool: AlpaServe placement vs baselines")
     p.add_argument("--profile", action="store_true", help="measure the models on this machine and save them")
     p.add_argument("--simulate", action="store_true", help="plan and simulate a cluster from the saved profile")
@@ -69,7 +71,7 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", action="store_true", help="also sweep rate, CV and SLO scale and save a PNG")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     p.add_argument("--out", default="bench_results")
-    p.set_defaults(func=run)
+    p.set_defaults(func=lambda args: run(args, run_live))
 
 
 def profile_path(arg: str | None) -> Path:
@@ -219,7 +221,7 @@ def run_profile(args) -> int:
 
 def trace_lengths(path: Path, most: int = 2000):
     """The trace's first requests (up to ``most``): the lengths a simulated workload takes."""
-    from calid.bench.load import read_trace
+    from calid.placement.traffic import read_trace
     from calid.errors import CalidError
 
     if not path.is_file():
@@ -344,7 +346,7 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else ("inf" if a > 0 else "n/a")
 
 
-def run(args) -> int:
+def run(args, run_live=None) -> int:
     from calid.errors import CalidError
 
     if args.corun is not None and args.corun < 1.0:
@@ -360,54 +362,6 @@ def run(args) -> int:
             return 0
     if args.simulate:
         return run_simulate(args)
+    if run_live is None:
+        raise CalidError("a live placement run serves the models: run it through the calid command")
     return run_live(args)
-
-
-def run_live(args) -> int:
-    import importlib
-
-    from calid.backends import cpu_summary
-    from calid.errors import CalidError
-    from calid.placement.profile import load
-
-    live = importlib.import_module("serve_app.placement_live")  # Ray and Serve: the server side's
-    path = profile_path(args.profile_file)
-    if not path.exists():
-        raise CalidError(f"no placement profile at {path}: measure one first with calid bench placement --profile")
-    cores = live.cores()
-    args.devices = args.devices or len(cores)
-    if not 1 <= args.devices <= len(cores):
-        raise CalidError(f"--devices {args.devices}: live runs use this machine's cores ({len(cores)})")
-    wanted = [p.strip() for p in args.live_plans.split(",") if p.strip()]
-    unknown = [p for p in wanted if p not in PLANNER_ORDER]
-    if unknown or not wanted:
-        raise CalidError(f"--live-plans among {', '.join(PLANNER_ORDER)}, got {args.live_plans!r}")
-    args.live_plans = wanted
-    profiles, meta = load(path)
-    # live: one-device groups, on cores that slow each other down as the profile measured
-    problem, rate = scenario(profiles, meta, args, configs=["tp1xpp1"], corun=meta.get("corun_slowdown", 1.0))
-    print(f"bench placement (live): {len(problem.profiles)} models ({', '.join(problem.profiles)}) on "
-          f"{args.devices} cores; {len(problem.requests)} requests over {args.duration:g} s at {rate:.2f} req/s "
-          f"(load {args.load:g}), CV {args.cv or 'trace'}, SLO scale {args.slo_scale:g}, co-run slowdown "
-          f"{problem.corun:g}; profile {path} "
-          f"({meta.get('cpu', '?')}); now {cpu_summary()}", file=sys.stderr)
-    from calid.placement.planner import PLANNERS
-
-    plans = {}
-    for name in args.live_plans:
-        try:
-            plans[name] = PLANNERS[name](problem)
-        except ValueError as e:  # e.g. dedicated: fewer devices than models
-            print(f"[live] {name}: no plan: {e}", file=sys.stderr)
-    args.live_plans = [n for n in args.live_plans if n in plans]
-    if not plans:
-        raise CalidError("no planner could place these models on these devices")
-    rows = live.run_live(args, problem, plans, problem.profiles, args.port)
-    meta_out = {"devices": args.devices, "requests": len(problem.requests), "rate_rps": rate, "cv": args.cv or "trace",
-                "corun": problem.corun,
-                "slo_scale": args.slo_scale, "duration_s": args.duration, "profile": str(path), "cpu": cpu_summary()}
-    live.report(args, rows, meta_out)
-    if args.json:
-        print(json.dumps({"live": rows, "meta": meta_out}))
-    return 0
-

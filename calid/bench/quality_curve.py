@@ -61,7 +61,7 @@ class Item:
 
 
 def add_parser(sub) -> None:
-    from calid.bench.peers import add_backend_args
+    from calid.bench.baselines import add_backend_args
     from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
 
     p = sub.add_parser("quality", help="quality vs filtered fraction on full HumanEval, ASDiv math and MT-bench; "
@@ -237,7 +237,7 @@ def _calibrated(path: Path, store: Store, work: list[Item]) -> bool:
 
 def run(args) -> int:
     from calid.backends import cpu_summary, open_model
-    from calid.cli import build_engine
+    from calid.backends import build_engine
     from calid.decoding.budget import AgreementTable, calibration_path
     from calid.engine import Engine
     from calid.text import encode_prompt

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from calid.bench import data
-from calid.bench.peers import add_backend_args
+from calid.bench.baselines import add_backend_args
 from calid.bench.report import parse_numbers, write_report
 from calid.bench.side_by_side import Prompt, run_configs, tabulate
 from calid.decoding.modes import DecodeParams
@@ -26,7 +26,7 @@ COLUMNS = ["config", "kind", "tok_s", "ratio_vs_ar", "edl", "mean_accepted", "ag
 HF_PLD = "HF prompt lookup decoding"
 
 
-def add_parsers(sub) -> None:
+def add_parser(sub) -> None:
     from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
 
     la = sub.add_parser("lookahead", help="Lookahead (trie) vs ar vs HF prompt lookup decoding")
@@ -139,7 +139,7 @@ def run_lookahead(args) -> int:
 
 def run_tree(args) -> int:
     from calid.backends import open_model
-    from calid.cli import build_engine
+    from calid.backends import build_engine
 
     n_code, n_mt, max_new = (40, 20, 256) if args.full else (args.code, args.mtbench, args.max_new_tokens)
     target = open_model(args.target, args.backend, args.dtype)

@@ -1,5 +1,5 @@
 """Where a request for a model placed on several device groups goes: AlpaServe's dispatch, as the simulator
-does it (calid.placement.simulator) and the multi-model app's front does it live (serve_app.models_front).
+does it (calid.placement.simulator) and the multi-model app's front does it live (serve_app.ingress.multi_model).
 
 A request goes to the replica of its model whose devices have the fewest requests in flight over *every*
 model they host, not only its own: two models co-located on one core share its time, so a replica beside a

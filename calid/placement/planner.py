@@ -2,7 +2,7 @@
 
 Terms:
   attainment  the share of requests that meet their model's SLO (end-to-end latency within a scale of the
-              request alone, LatencySlo; or TTFT and TPOT, calid.bench.load.Slo), over all requests of the
+              request alone, LatencySlo; or TTFT and TPOT, calid.placement.traffic.Slo), over all requests of the
               workload, as the simulator predicts it
   partition   the device pool cut into groups of one size, each with one parallel config
   greedy      (AlpaServe, Algorithm 1) start with every group empty; repeatedly add the one model replica
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from calid.bench.load import Slo
+from calid.placement.traffic import Slo
 from calid.placement.profile import Config, ModelProfile
 from calid.placement.simulator import DEFAULT_MAX_BATCH, Group, Placement, simulate
 from calid.placement.workload import Request

@@ -23,7 +23,7 @@ Terms:
               independent devices such as GPUs); a step starting while a share f of the other devices is
               busy takes 1 + (corun - 1) x f times its profiled time
 
-It returns one calid.bench.load.Outcome per request (arrival, first and last token), scored against the
+It returns one calid.placement.traffic.Outcome per request (arrival, first and last token), scored against the
 SLO exactly as live runs are.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from calid.bench.load import Outcome
+from calid.placement.traffic import Outcome
 from calid.placement.profile import Config, ModelProfile
 from calid.placement.workload import Request
 
@@ -105,56 +105,106 @@ def simulate(placement: Placement, profiles: dict[str, ModelProfile], requests: 
     micro-batches. ``corun``: a device's step time with every other device busy, over its time alone."""
     if corun < 1.0:
         raise ValueError(f"corun is a slowdown (>= 1.0), got {corun}")
-    groups = [_GroupState(g, overlap) for g in placement.groups]
-    others = max(1, sum(g.config.devices for g in placement.groups) - 1)
-    hosts: dict[str, list[int]] = {}
-    for i, g in enumerate(placement.groups):
-        for m in g.models:
-            hosts.setdefault(m, []).append(i)
-    outcomes = [Outcome(r.at_s, None, None, 0) for r in requests]
-    done_tokens = [0] * len(requests)
-    events: list[tuple[float, int, int, object]] = []  # (time, order, kind, payload)
-    ARRIVE, STEP_DONE, WAKE = 0, 1, 2
-    order = 0
+    return _Simulation(placement, profiles, requests, max_batch, overlap, corun).run()
 
-    def push(t: float, kind: int, payload) -> None:
-        nonlocal order
-        order += 1
-        heapq.heappush(events, (t, order, kind, payload))
 
-    def contention(gi: int, now: float) -> float:
+ARRIVE, STEP_DONE, WAKE = 0, 1, 2  # event kinds, in the order same-time events are handled
+
+
+class _Simulation:
+    """One replay: an event heap of arrivals, finished steps and wake-ups over the placement's groups."""
+
+    def __init__(self, placement: Placement, profiles: dict[str, ModelProfile], requests: list[Request],
+                 max_batch: int, overlap: bool, corun: float):
+        self.profiles, self.requests, self.max_batch, self.corun = profiles, requests, max_batch, corun
+        self.groups = [_GroupState(g, overlap) for g in placement.groups]
+        self.others = max(1, sum(g.config.devices for g in placement.groups) - 1)
+        self.hosts: dict[str, list[int]] = {}
+        for i, g in enumerate(placement.groups):
+            for m in g.models:
+                self.hosts.setdefault(m, []).append(i)
+        self.outcomes = [Outcome(r.at_s, None, None, 0) for r in requests]
+        self.done_tokens = [0] * len(requests)
+        self.events: list[tuple[float, int, int, object]] = []  # (time, order, kind, payload)
+        self.order = 0
+
+    def run(self) -> list[Outcome]:
+        for rid, r in enumerate(self.requests):
+            self.push(r.at_s, ARRIVE, rid)
+        while self.events:
+            now, _, kind, payload = heapq.heappop(self.events)
+            if kind == ARRIVE:
+                self.arrive(payload, now)
+            elif kind == STEP_DONE:
+                self.step_done(*payload, now)
+            else:
+                self.groups[payload].wake_at = None
+                self.start_steps(payload, now)
+        return self.outcomes
+
+    def push(self, t: float, kind: int, payload) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (t, self.order, kind, payload))
+
+    def contention(self, gi: int, now: float) -> float:
         """How much longer group ``gi``'s step takes for the other devices busy at ``now``."""
-        if corun == 1.0:
+        if self.corun == 1.0:
             return 1.0
-        busy = sum(g.config.tp * sum(free > now for free in g.stage_free) for j, g in enumerate(groups) if j != gi)
-        return 1.0 + (corun - 1.0) * busy / others
+        busy = sum(g.config.tp * sum(free > now for free in g.stage_free)
+                   for j, g in enumerate(self.groups) if j != gi)
+        return 1.0 + (self.corun - 1.0) * busy / self.others
 
-    def start_steps(gi: int, now: float) -> None:
+    def arrive(self, rid: int, now: float) -> None:
+        r = self.requests[rid]
+        where = self.hosts.get(r.model)
+        if not where:
+            self.outcomes[rid].error = f"model {r.model} is not placed"
+            return
+        groups = self.groups
+        gi = min(where, key=lambda i: (groups[i].load, groups[i].lanes[r.model].load(), i))  # as dispatch.py
         g = groups[gi]
+        lane = g.lanes[r.model]
+        if not lane.in_flight and not lane.waiting and not lane.running:
+            lane.ready_since = now
+        lane.waiting.append(rid)
+        g.load += 1
+        if g.wake_at is None or g.wake_at > now:  # after every arrival of this instant: they batch together
+            g.wake_at = now
+            self.push(now, WAKE, gi)
+
+    def step_done(self, gi: int, name: str, batch: list[int], now: float) -> None:
+        g = self.groups[gi]
+        lane = g.lanes[name]
+        for rid in batch:
+            o = self.outcomes[rid]
+            self.done_tokens[rid] += 1
+            o.tokens = self.done_tokens[rid]
+            o.first_s = now if o.first_s is None else o.first_s
+            o.last_s = now
+            if self.done_tokens[rid] >= self.requests[rid].output_tokens:
+                lane.running -= 1
+                g.load -= 1
+            else:
+                lane.idle.append(rid)
+        lane.in_flight -= 1
+        lane.ready_since = now
+        self.start_steps(gi, now)
+
+    def start_steps(self, gi: int, now: float) -> None:
+        g = self.groups[gi]
         while True:
             if g.stage_free[0] > now:
                 if g.wake_at is None or g.wake_at > g.stage_free[0]:
                     g.wake_at = g.stage_free[0]
-                    push(g.stage_free[0], WAKE, gi)
+                    self.push(g.stage_free[0], WAKE, gi)
                 return
             ready = [lane for lane in g.lanes.values() if lane.has_work()]
             if not ready:
                 return
             lane = min(ready, key=lambda ln: (ln.ready_since, ln.name))
-            joined = 0
-            while lane.waiting and lane.running < max_batch:
-                rid = lane.waiting.popleft()
-                lane.idle.append(rid)
-                lane.running += 1
-                joined += requests[rid].prompt_tokens
-            if lane.steps == 1:  # one step of every running request, cut into micro-batches
-                batch, lane.idle = lane.idle, []
-                micro = min(g.config.pp, len(batch))
-            else:  # this step takes its share of the running requests
-                take = -(-lane.running // lane.steps)
-                batch, lane.idle = lane.idle[:take], lane.idle[take:]
-                micro, joined = 1, sum(requests[r].prompt_tokens for r in batch if done_tokens[r] == 0)
-            stage = profiles[lane.name].stage_s(g.config, -(-len(batch) // micro), joined / micro) * contention(gi, now)
+            batch, micro, joined = self._take_batch(g, lane)
+            stage = (self.profiles[lane.name].stage_s(g.config, -(-len(batch) // micro), joined / micro)
+                     * self.contention(gi, now))
             last = now
             for _ in range(micro):
                 end = now
@@ -164,47 +214,19 @@ def simulate(placement: Placement, profiles: dict[str, ModelProfile], requests: 
                     g.stage_free[k] = end
                 last = end
             lane.in_flight += 1
-            push(last, STEP_DONE, (gi, lane.name, batch))
+            self.push(last, STEP_DONE, (gi, lane.name, batch))
 
-    for rid, r in enumerate(requests):
-        push(r.at_s, ARRIVE, rid)
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == ARRIVE:
-            r = requests[payload]
-            where = hosts.get(r.model)
-            if not where:
-                outcomes[payload].error = f"model {r.model} is not placed"
-                continue
-            gi = min(where, key=lambda i: (groups[i].load, groups[i].lanes[r.model].load(), i))  # as dispatch.py
-            g = groups[gi]
-            lane = g.lanes[r.model]
-            if not lane.in_flight and not lane.waiting and not lane.running:
-                lane.ready_since = now
-            lane.waiting.append(payload)
-            g.load += 1
-            if g.wake_at is None or g.wake_at > now:  # after every arrival of this instant: they batch together
-                g.wake_at = now
-                push(now, WAKE, gi)
-        elif kind == STEP_DONE:
-            gi, name, batch = payload
-            g = groups[gi]
-            lane = g.lanes[name]
-            for rid in batch:
-                o = outcomes[rid]
-                done_tokens[rid] += 1
-                o.tokens = done_tokens[rid]
-                o.first_s = now if o.first_s is None else o.first_s
-                o.last_s = now
-                if done_tokens[rid] >= requests[rid].output_tokens:
-                    lane.running -= 1
-                    g.load -= 1
-                else:
-                    lane.idle.append(rid)
-            lane.in_flight -= 1
-            lane.ready_since = now
-            start_steps(gi, now)
-        else:
-            groups[payload].wake_at = None
-            start_steps(payload, now)
-    return outcomes
+    def _take_batch(self, g, lane) -> tuple[list[int], int, int]:
+        """Admit waiting requests up to max_batch; (the step's requests, micro-batches, prompt tokens joining)."""
+        joined = 0
+        while lane.waiting and lane.running < self.max_batch:
+            rid = lane.waiting.popleft()
+            lane.idle.append(rid)
+            lane.running += 1
+            joined += self.requests[rid].prompt_tokens
+        if lane.steps == 1:  # one step of every running request, cut into micro-batches
+            batch, lane.idle = lane.idle, []
+            return batch, min(g.config.pp, len(batch)), joined
+        take = -(-lane.running // lane.steps)  # this step takes its share of the running requests
+        batch, lane.idle = lane.idle[:take], lane.idle[take:]
+        return batch, 1, sum(self.requests[r].prompt_tokens for r in batch if self.done_tokens[r] == 0)

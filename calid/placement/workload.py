@@ -16,7 +16,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from calid.bench.load import TraceRequest
+from calid.placement.traffic import TraceRequest
 
 
 @dataclass(frozen=True)

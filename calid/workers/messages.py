@@ -7,7 +7,7 @@ One decoding step of a request is two calls:
 
 The orchestrator owns the request: its token ids are the source of truth and
 every task carries them (in full, or over Ray as a delta from ``ids_from``
-against the ids the replica acknowledged; serve_app.calls), so a worker holds
+against the ids the replica acknowledged; serve_app.router.calls), so a worker holds
 only soft state (KV caches keyed by request id, the Lookahead trie) and any
 worker can serve any task, recomputing on a cache miss. A sampled request's random generator state
 travels with its tasks for the same reason. The same messages cross a Ray
@@ -129,7 +129,7 @@ def save_generator(g: torch.Generator | None) -> torch.Tensor | None:
 
 def require_full_ids(tasks: list) -> None:
     """Workers compute on full token ids: a delta (``ids_from``) must have been expanded by whoever holds the
-    head (serve_app.workers); failing here beats decoding from a truncated context."""
+    head (serve_app.workers.deployments); failing here beats decoding from a truncated context."""
     for t in tasks:
         if t.ids_from:
             raise ValueError(f"request {t.request_id!r}: token ids from position {t.ids_from} only reached the "

@@ -131,7 +131,7 @@ def test_nccl_pp2_equals_one_gpu(smol):
     (["--tp", "1", "--pp", "1"], "nothing to compare"),
 ])
 def test_bench_parallel_refuses_a_layout_in_one_line(smol, capsys, argv, message):
-    from calid.cli import main
+    from serve_app.main import main
 
     assert main(["bench", "parallel", *argv]) == 2
     err = capsys.readouterr().err

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from calid.cli import main
+from serve_app.main import main
 from calid.decoding.budget import AgreementTable
 
 pytestmark = pytest.mark.model

@@ -1,6 +1,6 @@
 import pytest
 
-from calid.cli import main
+from serve_app.main import main
 from calid.models.presets import TEST_MODEL
 
 pytestmark = pytest.mark.model

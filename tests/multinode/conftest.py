@@ -1,5 +1,5 @@
 """cluster.yaml's node types started as real Ray nodes on this machine, with the cluster's Serve config
-(serve_app/calid_cluster.yaml) deployed on them as `serve deploy` would, models swapped for SmolLM2.
+(serve_app/cluster/calid_cluster.yaml) deployed on them as `serve deploy` would, models swapped for SmolLM2.
 
 One cluster for the package: a head, two draft_cpu and two target_gpu nodes (one of each to lose while the
 other carries on). CPU counts are scaled by CPU_SCALE (the app's CPU asks too); GPUs are Ray resources with
@@ -30,14 +30,14 @@ def cluster():
                     "before tests/serve")
     from ray import serve
 
-    from serve_app.app import grpc_options
-    from serve_app.local import free_port
-    from serve_app.local_cluster import LocalCluster
+    from serve_app.cluster.app import grpc_options
+    from serve_app.cluster.local import free_port
+    from serve_app.cluster.local_cluster import LocalCluster
 
     c = LocalCluster(ROOT / "cluster.yaml", CPU_SCALE).start(WORKERS)
     _UP.append(c)
     c.grpc_port = free_port()
-    doc = yaml.safe_load((ROOT / "serve_app/calid_cluster.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "serve_app/cluster/calid_cluster.yaml").read_text())
     serve.start(proxy_location=doc["proxy_location"], grpc_options=grpc_options(c.grpc_port),
                 http_options={"host": "127.0.0.1", "port": free_port()})
     return c

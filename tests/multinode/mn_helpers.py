@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 
 from calid.models.presets import TEST_MODEL
-from serve_app.config import AppConfig
-from serve_app.local_cluster import scale_app
+from serve_app.cluster.config import AppConfig
+from serve_app.cluster.local_cluster import scale_app
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_SCALE = 1 / 8  # node CPU counts and the app's CPU asks, scaled alike
@@ -17,13 +17,13 @@ WORKERS = {"draft_cpu": 2, "target_gpu": 2}  # worker nodes by type: one of each
 
 
 def cluster_app(name: str, **overrides) -> AppConfig:
-    """serve_app/calid_cluster.yaml's app, as `serve deploy` reads it, with SmolLM2 (its first 16 layers the
+    """serve_app/cluster/calid_cluster.yaml's app, as `serve deploy` reads it, with SmolLM2 (its first 16 layers the
     draft) for the Qwen pair, fp32 on CPU for cuda, and CPU asks scaled as the nodes were; resource asks
     (target_num_gpus, target_resources, draft_resources, router_resources) are the file's own. Forwards are
     batch-invariant (except in TP x PP groups, which are not built for it), so that a request's greedy output is
     the same token for token whatever its mode, batch or replica (a stream recovered on another replica
     recomputes its prefix in one forward)."""
-    doc = yaml.safe_load((ROOT / "serve_app/calid_cluster.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "serve_app/cluster/calid_cluster.yaml").read_text())
     (app,) = doc["applications"]
     args = scale_app(app["args"], CPU_SCALE)
     args.update(target=TEST_MODEL, draft="self:16", dtype="fp32", target_device="cpu", draft_device="cpu",
@@ -58,7 +58,7 @@ def reference(cfg: AppConfig, prompts: list[str], tokens: int, smol=None) -> dic
 def deploy(cfg: AppConfig) -> AppConfig:
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.cluster.app import build_app
 
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
     return cfg

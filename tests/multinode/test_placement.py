@@ -1,4 +1,4 @@
-"""`ray up cluster.yaml` + `serve deploy serve_app/calid_cluster.yaml`, rehearsed on real Ray nodes: every role
+"""`ray up cluster.yaml` + `serve deploy serve_app/cluster/calid_cluster.yaml`, rehearsed on real Ray nodes: every role
 lands on the node type the YAML names, checked from Ray's state API, and serves over gRPC."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from mn_helpers import actors, cluster_app, deploy, reference, replicas
 
 from calid.client import Client
-from serve_app.config import ConfigError
+from serve_app.cluster.config import ConfigError
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray, pytest.mark.model]
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "List three colors of the rainbow."]
@@ -44,7 +44,7 @@ def test_a_tensor_parallel_group_spans_two_target_nodes_and_equals_the_unsharded
 
 
 def test_a_stage_no_node_can_hold_is_refused_before_any_replica_starts(cluster):
-    from serve_app.app import build_app
+    from serve_app.cluster.app import build_app
 
     with pytest.raises(ConfigError, match="no node can hold a pipeline stage .* GPU: 6"):
         build_app(cluster_app("too_wide", draft=None, target_tp=3, target_num_gpus=2))

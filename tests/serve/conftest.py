@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 from serve_helpers import deploy
 
 
@@ -23,8 +23,8 @@ def _free_port() -> int:
 def serve_port():
     from ray import serve
 
-    from serve_app.app import grpc_options
-    from serve_app.local import LOOPBACK_ENV, shutdown, start_ray
+    from serve_app.cluster.app import grpc_options
+    from serve_app.cluster.local import LOOPBACK_ENV, shutdown, start_ray
 
     import os
     os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "1"

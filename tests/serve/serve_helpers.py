@@ -1,13 +1,13 @@
 """Helpers shared by the serve tests."""
 from __future__ import annotations
 
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 
 
 def deploy(cfg: AppConfig):
     from ray import serve
 
-    from serve_app.app import build_app
+    from serve_app.cluster.app import build_app
 
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
     return cfg
@@ -40,7 +40,7 @@ class _NoWorkers:
 
 def workerless_router(cfg: AppConfig):
     """An in-process router whose requests never reach a worker (for tests of admission and translation)."""
-    from serve_app.router import Router
+    from serve_app.router.router import Router
 
     return Router.func_or_class(cfg.model_dump(), _NoWorkers(), _NoWorkers())
 
@@ -122,7 +122,7 @@ class StandIn:
 
 
 async def _as_reply(coro):
-    from serve_app.calls import Reply
+    from serve_app.router.calls import Reply
 
     out = await coro
     return Reply(None, out) if isinstance(out, list) else out

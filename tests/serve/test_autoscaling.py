@@ -7,7 +7,7 @@ import pytest
 from serve_helpers import deploy, wait_until
 
 from calid.client import Client
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 

@@ -10,7 +10,7 @@ import pytest
 from serve_helpers import deploy, handle, wait_until
 
 from calid.client import AsyncClient, Client, Unauthenticated, Unavailable
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 

@@ -10,7 +10,7 @@ import pytest
 from serve_helpers import GrpcContext, StandIn
 
 from calid.v1 import calid_pb2 as pb
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 
 pytestmark = [pytest.mark.model]
 PROMPTS = ["What is the capital of France?", "List three colors of the rainbow.", "Name a prime number."]
@@ -87,8 +87,8 @@ async def _until(cond, jobs, timeout_s: float = 120.0) -> None:
 def test_requests_go_on_without_an_unreachable_draft_and_drafting_resumes_when_it_answers(models, monkeypatch):
     """Greedy speculative and auto requests keep their exact output while the draft is gone (their steps are
     target-only), and draft again once a probe hears from a draft replica."""
-    import serve_app.router as router_mod
-    from serve_app.router import Router
+    import serve_app.router.router as router_mod
+    from serve_app.router.router import Router
 
     monkeypatch.setattr(router_mod, "DRAFT_PROBE_S", 0.05)
 
@@ -120,7 +120,7 @@ def test_requests_go_on_without_an_unreachable_draft_and_drafting_resumes_when_i
 
 
 def test_a_request_that_arrives_while_the_draft_is_gone_is_served(models):
-    from serve_app.router import Router
+    from serve_app.router.router import Router
 
     async def run():
         draft, target = _handles(models)

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.model]
 
 
 def test_bench_edge_small(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "calid.cli", "bench", "edge", "--small", "--clients", "2",
+    proc = subprocess.run([sys.executable, "-m", "serve_app.main", "bench", "edge", "--small", "--clients", "2",
                            "--max-new-tokens", "12", "--port", "50163", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

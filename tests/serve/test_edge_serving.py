@@ -111,7 +111,7 @@ def test_a_client_that_hangs_up_mid_request_leaves_nothing_behind(small_app):
 
 
 def test_calid_client_cli_with_a_local_draft(small_app, capsys):
-    from calid.cli import main
+    from serve_app.main import main
 
     address = f"127.0.0.1:{small_app.grpc_port}"
     assert main(["client", "Say hello.", "--address", address, "--max-new-tokens", "8", "--mode", "filter",

@@ -9,8 +9,8 @@ from serve_helpers import GrpcContext, deploy
 
 from calid.client import Client
 from calid.v1 import calid_pb2 as pb
-from serve_app.config import AppConfig
-from serve_app.frontdoor import Caller, Refused
+from serve_app.cluster.config import AppConfig
+from serve_app.ingress.frontdoor import Caller, Refused
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 
@@ -65,7 +65,7 @@ class _DeadHandle:
 
 
 def test_no_worker_answers_is_unavailable_after_retries(serve_port):
-    from serve_app.router import Router
+    from serve_app.router.router import Router
 
     dead = _DeadHandle()
     router = Router.func_or_class(AppConfig.small(draft=None, worker_call_retries=2).model_dump(), None, dead)
@@ -80,17 +80,17 @@ def test_admission_holds_for_a_burst_that_arrives_between_steps(serve_port):
     """150 requests opened before the step loop runs once: exactly max_active + queue_capacity are admitted,
     the rest are refused with RESOURCE_EXHAUSTED at once (the bound used to be checked only with every
     decoding slot busy, which is never true before the loop fills them)."""
-    from serve_app.router import Router
+    from serve_app.router.router import Router
 
     async def burst():
         router = Router.func_or_class(AppConfig.small(draft=None, max_active=4, queue_capacity=6).model_dump(),
                                       None, _DeadHandle())
-        opened = await asyncio.gather(*(router._open(pb.GenerateRequest(prompt="hi", max_new_tokens=4), Caller())
+        opened = await asyncio.gather(*(router.open(pb.GenerateRequest(prompt="hi", max_new_tokens=4), Caller())
                                         for _ in range(150)), return_exceptions=True)
         admitted = [r for r in opened if not isinstance(r, Exception)]
         refused = [e for e in opened if isinstance(e, Refused) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         for r in admitted:
-            router._close(r)
+            router.close(r)
         router._loop_task.cancel()
         return len(admitted), len(refused), refused[0].message
 

@@ -16,8 +16,8 @@ from serve_helpers import forget_admitted, workerless_router
 
 from calid.decoding.modes import MODES
 from calid.v1 import calid_pb2 as pb
-from serve_app.config import AppConfig
-from serve_app.frontdoor import Caller, Refused
+from serve_app.cluster.config import AppConfig
+from serve_app.ingress.frontdoor import Caller, Refused
 
 pytestmark = [pytest.mark.model]
 
@@ -55,7 +55,7 @@ def router():
 def test_any_request_is_admitted_or_refused_with_a_clear_status(router, msg):
     async def open_and_close():
         try:
-            r = await router._open(msg, Caller())
+            r = await router.open(msg, Caller())
         except Refused as e:
             return None, e
         forget_admitted(router)

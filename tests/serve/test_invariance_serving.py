@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 from serve_helpers import deploy
 
 pytestmark = [pytest.mark.model, pytest.mark.ray]

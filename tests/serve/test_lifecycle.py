@@ -44,7 +44,7 @@ def _wait_ready(port: int, proc: subprocess.Popen, tls: str, timeout_s: float = 
 
 def _user_env() -> dict:
     """The environment of a user's shell: none of the Ray settings the test session itself sets."""
-    from serve_app.local import LOOPBACK_ENV
+    from serve_app.cluster.local import LOOPBACK_ENV
 
     return {k: v for k, v in os.environ.items() if k not in LOOPBACK_ENV and k != "RAY_ADDRESS"}
 
@@ -62,7 +62,7 @@ def _alive(pids: list[int]) -> list[str]:
 
 
 def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
-    """Served over TLS (the front of serve_app.tls_front), so the whole path is the one an operator runs."""
+    """Served over TLS (the front of serve_app.ingress.tls), so the whole path is the one an operator runs."""
     cert, key = self_signed
     tls = str(cert)
     port, http_port = _free_port(), _free_port()

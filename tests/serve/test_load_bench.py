@@ -9,14 +9,15 @@ import sys
 
 import pytest
 
-from serve_app.load_bench import DEFAULT_TRACE
+from serve_app.bench.load import DEFAULT_TRACE
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.model]
 
 
 def test_bench_load_small(tmp_path):
     rates = ["--rates", "light,overload"] if DEFAULT_TRACE.is_file() else ["--rates", ""]
-    proc = subprocess.run([sys.executable, "-m", "calid.cli", "bench", "load", "--small", "--modes", "auto,speculative",
+    proc = subprocess.run([sys.executable, "-m", "serve_app.main", "bench", "load", "--small",
+                           "--modes", "auto,speculative",
                            "--concurrency", "1,2", "--trace-requests", "4", "--max-new-tokens", "6",
                            "--port", "50164", "--out", str(tmp_path), *rates],
                           capture_output=True, text=True, timeout=900)

@@ -12,7 +12,7 @@ import pytest
 
 from calid.client import Client, NotFound, ResourceExhausted
 from calid.models.presets import TEST_MODEL
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 from serve_helpers import deploy, handle, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from serve_helpers import forget_admitted, workerless_router
 
-from serve_app import openai_wire as wire
-from serve_app.config import AppConfig
-from serve_app.frontdoor import Caller, Refused
+from serve_app.ingress import openai_wire as wire
+from serve_app.cluster.config import AppConfig
+from serve_app.ingress.frontdoor import Caller, Refused
 
 pytestmark = [pytest.mark.model]
 
@@ -79,7 +79,7 @@ def router():
 def test_any_body_is_admitted_or_refused_with_a_4xx(router, body, chat):
     async def translate_and_open():
         msgs, _ = ([wire.chat_request(body)[0]], None) if chat else wire.completion_requests(body)
-        opened = [await router._open(m, Caller(frontend="http")) for m in msgs]
+        opened = [await router.open(m, Caller(frontend="http")) for m in msgs]
         forget_admitted(router)
         return opened
 

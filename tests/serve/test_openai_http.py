@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 from serve_helpers import deploy, handle, wait_until
 
 pytestmark = [pytest.mark.model, pytest.mark.ray]

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.model]
 
 
 def test_live_replay_reports_measured_beside_simulated_attainment(serve_port, smol, tmp_path, capsys):
-    from calid.cli import main
+    from serve_app.main import main
     from calid.placement.profile import Config, Latency, ModelProfile, save
 
     # SmolLM2's one-thread costs, roughly as --profile measures them on these machines (the test checks the

@@ -16,7 +16,7 @@ from serve_helpers import GrpcContext, StandIn
 
 from calid.text import encode_prompt
 from calid.v1 import calid_pb2 as pb
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 
 pytestmark = [pytest.mark.model]
 
@@ -63,7 +63,7 @@ def target():
 
 
 def _router(handle, **overrides):
-    from serve_app.router import Router
+    from serve_app.router.router import Router
 
     cfg = AppConfig.small(draft=None, **overrides).model_dump()
     return Router.func_or_class(cfg, None, handle)
@@ -179,7 +179,7 @@ def test_api_keys(target, tmp_path):
 
 
 def test_a_key_source_without_keys_refuses_to_start(tmp_path):
-    from serve_app.config import ConfigError, check_auth
+    from serve_app.cluster.config import ConfigError, check_auth
 
     empty = tmp_path / "keys"
     empty.write_text("# nothing yet\n")

@@ -11,7 +11,7 @@ from calid.decoding.modes import MODES, DecodeParams
 from calid.generation import GenerationRequest, SamplingParams
 from calid.text import encode_prompt
 from serve_helpers import deploy, handle, wait_until
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 
@@ -217,7 +217,7 @@ def test_unknown_application_is_not_found(small_app):
 
 
 def test_calid_client_cli(small_app, capsys):
-    from calid.cli import main
+    from serve_app.main import main
 
     address = f"127.0.0.1:{small_app.grpc_port}"
     assert main(["client", "Say hello.", "--address", address, "--max-new-tokens", "6", "--mode", "filter"]) == 0

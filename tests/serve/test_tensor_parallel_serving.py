@@ -14,7 +14,7 @@ from calid.engine import Engine
 from calid.generation import GenerationRequest, SamplingParams
 from calid.runtime.runner import ModelRunner
 from calid.text import encode_prompt
-from serve_app.config import AppConfig, ConfigError
+from serve_app.cluster.config import AppConfig, ConfigError
 
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 PROMPTS = ["Write a Python function that checks whether a number is prime.", "List three colors of the rainbow."]
@@ -25,7 +25,7 @@ def _shard_pids() -> list[int]:
 
 
 def test_layouts_the_model_cannot_take_are_refused_at_the_edge(serve_port):
-    from serve_app.app import build_app
+    from serve_app.cluster.app import build_app
 
     with pytest.raises(ConfigError, match="target_tp=2 x target_pp=1 does not fit .* 9 query heads"):
         build_app(AppConfig.small(app_name="tp2", draft=None, target_tp=2))

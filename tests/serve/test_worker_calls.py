@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from serve_helpers import Call
 
 from calid.workers.messages import VerifyTask
-from serve_app.calls import Reply, WorkerCalls, expand_all
-from serve_app.config import AppConfig
+from serve_app.router.calls import Reply, WorkerCalls, expand_all
+from serve_app.cluster.config import AppConfig
 
 
 @dataclass
 class _Replica:
-    """A worker replica that expands deltas as serve_app.workers does, and echoes each task's full ids."""
+    """A worker replica that expands deltas as serve_app.workers.deployments does, and echoes each task's full ids."""
 
     name: str
     held: dict = field(default_factory=dict)

@@ -11,7 +11,7 @@ import pytest
 from serve_helpers import StandIn
 
 from calid.v1 import calid_pb2 as pb
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 
 pytestmark = [pytest.mark.model]
 
@@ -19,7 +19,7 @@ PROMPT = "List three colors of the rainbow."
 
 
 def _replica(**overrides):
-    from serve_app.workers import TargetDeployment
+    from serve_app.workers.deployments import TargetDeployment
 
     return TargetDeployment.func_or_class(AppConfig.small(draft=None, **overrides).model_dump())
 
@@ -51,7 +51,7 @@ def test_a_release_reaches_a_replica_that_was_not_told(replicas):
     """Request 1 starts on replica a and moves to b after two calls (as after a retry elsewhere: b lacks the
     ids a delta builds on, says so, and gets them in full); its release goes to b. Replica a frees its copy
     when the next call reaches it, whoever sends it."""
-    from serve_app.router import Router
+    from serve_app.router.router import Router
 
     a, b = replicas
     moved = [True]
@@ -74,7 +74,7 @@ def test_a_release_reaches_a_replica_that_was_not_told(replicas):
 
 
 def test_caches_no_call_touched_for_cache_idle_s_are_freed(replicas):
-    from serve_app.router import Router
+    from serve_app.router.router import Router
 
     replica = _replica(cache_idle_s=0.5)
 

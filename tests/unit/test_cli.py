@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from calid.cli import main
+from serve_app.main import main
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_bad_tree_width(capsys):
 
 
 def test_client_without_a_server_is_one_line(capsys):
-    from calid.cli import main
+    from serve_app.main import main
 
     assert main(["client", "hi", "--address", "127.0.0.1:9", "--timeout", "2"]) == 2
     err = capsys.readouterr().err
@@ -78,7 +78,7 @@ def test_client_without_a_server_is_one_line(capsys):
 
 
 def test_a_peer_that_cannot_run_says_why():
-    from serve_app.peers_bench import PeerUnavailable, _peer
+    from serve_app.bench.peers import PeerUnavailable, _peer
 
     with pytest.raises(PeerUnavailable, match="no llama-server binary"):
         _peer("llama-server", "/x.gguf", 2, 8093, 4, None, "m")

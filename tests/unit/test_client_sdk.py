@@ -191,9 +191,9 @@ def test_tls_channel_with_a_ca_file(tmp_path, self_signed):
 
 
 def test_tls_front_forwards_calls_metadata_and_status(server, self_signed):
-    """serve_app.tls_front before a plaintext server: unary and streaming calls, the caller's metadata,
+    """serve_app.ingress.tls before a plaintext server: unary and streaming calls, the caller's metadata,
     and the upstream's status codes all pass through."""
-    from serve_app.tls_front import TlsFront
+    from serve_app.ingress.tls import TlsFront
 
     servicer, upstream = server
     cert, key = self_signed
@@ -291,7 +291,7 @@ def test_an_async_local_draft_drives_collaborate_and_errors_are_typed(server, lo
 
 
 def test_tls_front_forwards_collaborate(server, self_signed, local_draft):
-    from serve_app.tls_front import TlsFront
+    from serve_app.ingress.tls import TlsFront
 
     servicer, upstream = server
     cert, key = self_signed

@@ -24,9 +24,9 @@ def test_cluster_yaml_is_a_valid_ray_cluster_config():
 def test_cluster_serve_config_targets_the_node_types():
     from ray.serve.schema import ServeDeploySchema
 
-    from serve_app.config import check_resources, load_config
+    from serve_app.cluster.config import check_resources, load_config
 
-    doc = yaml.safe_load((ROOT / "serve_app/calid_cluster.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "serve_app/cluster/calid_cluster.yaml").read_text())
     (app,) = ServeDeploySchema(**doc).applications
     cfg = load_config(app.args)
     assert set(cfg.target_resources) == {"target_node"} and set(cfg.draft_resources) == {"draft_node"}
@@ -58,7 +58,7 @@ def test_the_dashboard_listens_on_the_heads_loopback_only():
 
 
 def test_node_types_scale_cpus_and_keep_what_places_replicas():
-    from serve_app.local_cluster import ClusterYamlError, node_types, scale_app
+    from serve_app.cluster.local_cluster import ClusterYamlError, node_types, scale_app
 
     head, types = node_types(ROOT / "cluster.yaml")
     assert head == "head"

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from calid.models import draft_weights as dw
-from serve_app.config import AppConfig
+from serve_app.cluster.config import AppConfig
 
 
 def test_unknown_choice_is_a_clear_error():

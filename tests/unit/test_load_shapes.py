@@ -1,12 +1,12 @@
-"""calid.bench.load: the trace replay's shaping and the run's scoring, on hand-built data and the real trace."""
+"""calid.placement.traffic: the trace replay's shaping and the run's scoring, on hand-built data and the real trace."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from calid.bench import load
-from calid.bench.load import Outcome, Slo, TraceRequest
+from calid.placement import traffic as load
+from calid.placement.traffic import Outcome, Slo, TraceRequest
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "azure-llm-trace-2023" / \
     "AzureLLMInferenceTrace_conv.csv"

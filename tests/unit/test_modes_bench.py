@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.modes_bench import _round_order, _rows, _tpot_ms, _verdict
+from serve_app.bench.modes import _round_order, _rows, _tpot_ms, _verdict
 
 
 def _run(served_s, tpot_ms, first_tokens_s, outputs, drafted=0):
@@ -55,7 +55,7 @@ def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
 
 
 def test_a_decoding_speed_up_counts_on_whole_requests_only_past_the_prefill():
-    from serve_app.modes_bench import _whole
+    from serve_app.bench.modes import _whole
 
     # prefill is 60% of ar's time (cap 1/0.6): a 1.52x decoding bound is 1.16x on whole requests
     assert _whole(1.52, 1 / 0.6) == pytest.approx(1 / (0.6 + 0.4 / 1.52))

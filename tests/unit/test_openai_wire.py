@@ -1,4 +1,4 @@
-"""OpenAI JSON <-> calid.v1.GenerateRequest, errors and reply shapes (serve_app.openai_wire), by hand."""
+"""OpenAI JSON <-> calid.v1.GenerateRequest, errors and reply shapes (serve_app.ingress.openai_wire), by hand."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import pytest
 
 from calid.generation import DecodeStats, GenerationResult
 from calid.v1 import calid_pb2 as pb
-from serve_app import openai_wire as wire
-from serve_app.outputs import Output
+from serve_app.ingress import openai_wire as wire
+from serve_app.ingress.outputs import Output
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,4 +1,4 @@
-"""serve_app.outputs: what a front-end reads for one request, from the events the step loop queues (by hand:
+"""serve_app.ingress.outputs: what a front-end reads for one request, from the events the step loop queues (by hand:
 a stand-in router whose event feed reads the request's queue as the router's does)."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import grpc
 
 from calid.generation import DecodeStats, GenerationResult, StreamEvent
 from calid.workers.messages import ScoreResult
-from serve_app.calls import Failure
-from serve_app.outputs import Output, outputs
+from serve_app.router.calls import Failure
+from serve_app.ingress.outputs import Output, outputs
 
 
 class _Router:
@@ -37,7 +37,7 @@ class _Router:
             ScoreResult(t.request_id, [-float(i) for i in t.token_ids[t.start :]], [[] for _ in t.token_ids[t.start :]])
         ]
 
-    async def _events(self, r, idle_s=None):
+    async def events(self, r, idle_s=None):
         while True:
             item = await r.events.get()
             yield item

@@ -5,9 +5,9 @@ import argparse
 
 import pytest
 
-from calid.bench.load import Outcome
+from calid.placement.traffic import Outcome
 from calid.errors import CalidError
-from serve_app.peers_bench import _replay_plan, _rows
+from serve_app.bench.peers import _replay_plan, _rows
 
 
 def outcomes(n: int, ttft: float, tpot: float, tokens: int = 11) -> list[Outcome]:

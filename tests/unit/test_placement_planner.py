@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from calid.bench.load import Slo, TraceRequest
+from calid.placement.traffic import Slo, TraceRequest
 from calid.placement import planner
 from calid.placement.profile import Config, Latency, ModelProfile, ParallelCosts, from_json, scaled, to_json
 from calid.placement.simulator import Group, Placement, simulate
@@ -301,7 +301,7 @@ def test_the_latency_slo_is_met_by_a_request_alone_and_missed_when_it_must_share
 
 
 def test_bench_placement_without_a_profile_says_what_to_do(tmp_path, capsys):
-    from calid.cli import main
+    from serve_app.main import main
 
     for live in ([], ["--simulate"]):
         assert main(["bench", "placement", *live, "--profile-file", str(tmp_path / "none.json")]) != 0
@@ -310,7 +310,7 @@ def test_bench_placement_without_a_profile_says_what_to_do(tmp_path, capsys):
 
 def test_a_plan_becomes_models_pinned_to_its_groups_cores():
     from calid.errors import CalidError
-    from serve_app.placement_live import plan_to_models
+    from serve_app.bench.placement_live import plan_to_models
 
     profiles = {"big": None, "small": None, "tiny": None}
     plan = Placement((Group(ONE, ("big", "small")), Group(ONE, ("small",))))
@@ -327,7 +327,7 @@ def test_a_plan_becomes_models_pinned_to_its_groups_cores():
 def test_bench_placement_simulate_prints_each_planners_attainment_as_json(tmp_path, capsys):
     import json
 
-    from calid.cli import main
+    from serve_app.main import main
     from calid.placement.profile import save
 
     profiles = {"big": ModelProfile("big", 2 * GB, {ONE: Latency((1, 8), (0.05, 0.3), 0.01)}),

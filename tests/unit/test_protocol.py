@@ -6,7 +6,7 @@ import pytest
 from calid.client.sdk import build_request
 from calid.decoding.modes import DecodeParams
 from calid.errors import InvalidRequestError
-from serve_app import protocol
+from serve_app.ingress import protocol
 
 
 class _Tok:

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from calid.scaling import RateWindow, desired_replicas, target_demand
-from serve_app.autoscaling import CalidScalingPolicy, per_router_total
+from serve_app.router.autoscaling import CalidScalingPolicy, per_router_total
 
 
 def test_target_demand_shrinks_with_the_filtered_fraction():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.config import AppConfig, ConfigError, check_resources, load_config
+from serve_app.cluster.config import AppConfig, ConfigError, check_resources, load_config
 
 
 @pytest.mark.parametrize("args, message", [
@@ -114,7 +114,7 @@ def test_the_cluster_must_hold_every_models_replicas_together():
 
 
 def test_serve_models_flag():
-    from serve_app.cli import parse_models
+    from serve_app.cluster.serve_commands import parse_models
 
     assert parse_models("qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct, smol=smollm2-135m-instruct+self:16,"
                         "/m/tiny.gguf") == [
@@ -129,7 +129,7 @@ def test_serve_models_flag():
 
 def test_slo_attainment_of_a_finished_request():
     from calid.generation import GenerationResult
-    from serve_app.metrics import meets_slo
+    from serve_app.router.metrics import meets_slo
 
     def result(ttft_s, total_s, n):
         r = GenerationResult.__new__(GenerationResult)
@@ -145,7 +145,7 @@ def test_slo_attainment_of_a_finished_request():
 def test_a_forwarded_call_carries_the_callers_key_and_brings_back_its_status():
     import grpc
 
-    from serve_app.frontdoor import ForwardedContext, grpc_caller
+    from serve_app.ingress.frontdoor import ForwardedContext, grpc_caller
 
     ctx = ForwardedContext((("authorization", "Bearer k1"), ("application", "calid")))
     assert grpc_caller(ctx).key == "k1"

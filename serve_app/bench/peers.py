@@ -1,0 +1,411 @@
+"""``calid bench peers``: calid against the servers a user would run instead, through one OpenAI client.
+
+One load client (the openai SDK's async client, streaming chat completions, greedy, the same HumanEval
+prompts, each answer to its EOS as users' requests end; ``--ignore-eos``: the labelled stress case) runs a
+closed-loop concurrency sweep against, one after the other on the same machine and GGUF:
+  calid               ``calid serve``'s OpenAI HTTP API, in each of --modes (ar, auto, filter);
+  llama-cpp-python    its own OpenAI server (``python -m llama_cpp.server``) over the same llama-cpp-python
+                      build calid uses (it needs the server's web packages: ``pip install 'calid[bench]'``);
+  llama-server        llama.cpp's C++ server with continuous batching (``-np`` slots), when --llama-server
+                      names its binary (see README: how to build it from the llama-cpp-python sources).
+Then, per server and mode, an open-loop replay of the Azure LLM inference trace (conversation services:
+its arrival gaps, prompt and output lengths; prompts cut from HumanEval's text to the trace's lengths, sent
+as raw completions) at --trace-rate times the request rate calid ar sustained at the sweep's top
+concurrency. Per server, mode and load: output tokens/s, TTFT p50/p99, TPOT p50, the share of requests
+within an SLO (--slo-scale x calid ar's TTFT and TPOT p50 at the lowest concurrency), and each one's ratio to
+calid ar at the same load; a PNG of throughput vs concurrency; the CPU flags and the bandwidth limit. With
+--rounds N the whole sweep runs N times, every server started afresh each round and the servers in reverse order
+every other round (this machine's speed drifts over minutes): tokens/s is the median of the rounds, its ratio
+the median of each round's ratio to calid ar in the same round, and the latencies pool every round's requests.
+Tokens are counted from the usage a server reports at the end of a stream (stream_options.include_usage), else
+one per streamed chunk.
+A server that cannot start is reported with the reason, and the others still run.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from calid.placement.traffic import DEFAULT_TRACE
+
+COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "tok_s_vs_calid_ar",
+           "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met", "limit_tok_s"]
+PEERS = ("llama-cpp-python", "llama-server")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("peers", help="calid vs llama-cpp-python's server vs llama-server, one OpenAI load client")
+    p.add_argument("--small", action="store_true", help="SmolLM2-135M (self:16 draft) instead of the Qwen pair")
+    p.add_argument("--modes", default="ar,auto,filter", help="calid modes to run (comma-separated)")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated among {', '.join(PEERS)}")
+    p.add_argument("--concurrency", default="1,4,8,16", help="closed-loop client counts")
+    p.add_argument("--requests", type=int, default=0, help="requests per point (default: 2 x concurrency, >= 4)")
+    p.add_argument("--rounds", type=int, default=1, help="repeats of the sweep, servers in reverse order every other "
+                   "round (medians reported; the trace replay runs in the first round only)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="at most this many tokens an answer (default 96)")
+    p.add_argument("--ignore-eos", action="store_true", help="stress case: the sweep's answers run past EOS to "
+                   "--max-new-tokens (the trace replay always runs to the trace's output lengths)")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads of every server (default: all cores)")
+    p.add_argument("--llama-server", default=shutil.which("llama-server"),
+                   help="llama-server binary (default: on PATH)")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV to replay ('' : no replay)")
+    p.add_argument("--trace-rate", type=float, default=0.5, help="replay rate, in multiples of the request rate "
+                   "calid ar sustains at the sweep's top concurrency (default 0.5)")
+    p.add_argument("--trace-requests", type=int, default=24, help="requests in the replay (default 24)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="trace prompts are cut to at most this")
+    p.add_argument("--slo-scale", type=float, default=5.0, help="SLO: this x calid ar's TTFT and TPOT p50 at the "
+                   "lowest concurrency")
+    p.add_argument("--plain-run-ms", type=float, default=None, help="override calid's plain_run_ms (0: one target step "
+                   "per call)")
+    p.add_argument("--port", type=int, default=8093, help="HTTP port each server takes in turn")
+    p.add_argument("--out", default="bench_results")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from calid.backends import cpu_summary, gguf_file, open_model
+    from calid.bench.data import humaneval_prompts
+    from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
+    from calid.bench.report import parse_numbers, write_report
+    from calid.decoding.modes import MODES
+    from calid.errors import CalidError
+    from serve_app.cluster.config import AppConfig, with_plain_run_ms
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    sweep = sorted(set(parse_numbers(args.concurrency, int)))
+    if any(m not in MODES for m in modes) or any(p not in PEERS for p in peers) or not sweep or min(sweep) < 1:
+        raise CalidError(f"--modes among {', '.join(MODES)}, --peers among {', '.join(PEERS)}, --concurrency >= 1")
+    if args.rounds < 1:
+        raise CalidError("--rounds takes a count >= 1")
+    modes = ["ar"] + [m for m in modes if m != "ar"]
+    threads = args.threads or os.cpu_count() or 1
+    cfg = (AppConfig.small if args.small else AppConfig)(grpc_port=_free_port(), http_port=args.port,
+                                                         max_active=max(16, max(sweep)), worker_threads=threads)
+    cfg = with_plain_run_ms(cfg, args.plain_run_ms)
+    gguf = str(gguf_file(cfg.target, False))
+    weight_bytes = open_model(cfg.target, log=lambda line: None, show_progress=False).decode_read_bytes
+    bandwidth = memory_bandwidth_gbs()
+    limit = decode_limit_tok_s(bandwidth, weight_bytes)
+    prompts = humaneval_prompts()  # every point takes the next ones: a prompt never repeats within a server's run
+    print(f"bench peers: {cfg.target} ({Path(gguf).name}), {threads} threads; calid modes {modes}; peers {peers}; "
+          f"concurrency {sweep}; {args.rounds} round(s); {args.max_new_tokens} new tokens, greedy; {cpu_summary()}; "
+          f"decode limit {limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)",
+          file=sys.stderr)
+    runs, skipped = [], {}
+    url = f"http://127.0.0.1:{args.port}/v1"
+    replay = None
+    per_round = sum(_requests(args, c) for c in sweep)
+    for rnd in range(args.rounds):
+        # a fresh server per mode and round: the modes take the same prompts, and a mode after the first would
+        # answer from what the one before left in the prompt cache (auto: TTFT 69 ms, not 1.2 s)
+        servers = [("calid", m) for m in modes] + [(p, "ar") for p in peers if p not in skipped]
+        # every round takes the next prompts (no server answers from a prompt cache); one round's servers the same
+        start = 1 + rnd * per_round % (len(prompts) - 1)
+        batch = prompts[:1] + prompts[start:] + prompts[1:start]
+        for server, mode in servers if rnd % 2 == 0 else servers[::-1]:
+            try:
+                with _calid(cfg) if server == "calid" else _peer(server, gguf, threads, args.port, max(sweep),
+                                                                args.llama_server, cfg.target):
+                    runs += [(*run, rnd) for run in _sweep(url, cfg.target, server, mode, sweep, batch, args)]
+                    if rnd == 0 and (server, mode) == ("calid", "ar") and args.trace:  # calid ar runs first
+                        replay = _replay_plan(args, cfg.target, runs[-1][3])  # its rate follows what ar sustained
+                    if rnd == 0 and replay:
+                        runs.append((*_replay(url, cfg.target, server, mode, replay), rnd))
+            except PeerUnavailable as e:
+                skipped[server] = str(e)
+                print(f"bench peers: {server} not run: {e}", file=sys.stderr)
+    rows, slo = _rows(runs, args.slo_scale, limit)
+    meta = {"model": cfg.target, "gguf": Path(gguf).name, "threads": threads, "cpu": cpu_summary(),
+            "bandwidth_GBps": round(bandwidth, 1), "new_tokens": args.max_new_tokens,
+            "rounds": args.rounds, "slo": f"TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.0f} ms",
+            **({"replay": f"{replay.name}: {len(replay.trace)} requests at {replay.rate:.3f}/s ({args.trace_rate:g} x "
+                          f"calid ar's {replay.capacity:.3f}/s), {replay.mean_prompt:.0f} prompt / "
+                          f"{replay.mean_output:.0f} output tokens on average"} if replay else {})}
+    notes = ["tok_s: output tokens of all requests / wall time of the point (first send to last token), median of "
+             "the rounds; c<N>: N clients in a closed loop (each sends its next request when the last one ends); "
+             "trace: the Azure trace replayed open-loop (each request sent at its arrival time; first round only); "
+             "tok_s_vs_calid_ar: median of rounds_vs_calid_ar, each round's ratio to calid ar at the same load in "
+             "that round (servers in reverse order every other round)",
+             "TTFT: send to first streamed token; TPOT: (last - first token) / (tokens - 1), per request; slo_met: "
+             f"share of requests with TTFT and TPOT within the SLO ({args.slo_scale:g} x calid ar's p50 at "
+             f"c{sweep[0]})",
+             "limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
+    notes += [f"not run: {peer}: {why}" for peer, why in skipped.items()]
+    name = f"peers-{'small' if args.small else 'qwen'}"
+    js, md = write_report(Path(args.out), name, "calid vs the servers a user would pick instead (one OpenAI client)",
+                          meta, rows, COLUMNS, notes)
+    png = _plot(rows, Path(args.out) / f"{name}.png")
+    print(md.read_text())
+    print(f"wrote {js}, {md} and {png}", file=sys.stderr)
+    return 0
+
+
+class PeerUnavailable(Exception):
+    """A peer server cannot run here (not installed, not built, did not start)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _calid:
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        from serve_app.cluster.local import serve_app
+
+        serve_app(self.cfg, dashboard=False)
+        return self
+
+    def __exit__(self, *exc):
+        from serve_app.cluster.local import shutdown
+
+        shutdown()
+
+
+class _peer:
+    """A peer server in a subprocess on 127.0.0.1:port, up until the block ends (its log in a temp file)."""
+
+    def __init__(self, peer: str, gguf: str, threads: int, port: int, slots: int, llama_server: str | None,
+                 name: str):
+        if peer == "llama-cpp-python":
+            try:
+                import fastapi, sse_starlette, starlette_context, uvicorn  # noqa: F401, E401
+            except ImportError as e:
+                raise PeerUnavailable(f"llama_cpp.server needs its web packages ({e.name} missing): "
+                                      "pip install 'calid[bench]'") from None
+            self.cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", name,
+                        "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
+                        "--host", "127.0.0.1", "--port", str(port)]
+        else:
+            if not llama_server or not Path(llama_server).is_file():
+                raise PeerUnavailable("no llama-server binary (--llama-server PATH; README: building it)")
+            self.cmd = [llama_server, "-m", gguf, "-a", name, "-t", str(threads), "-tb", str(threads),
+                        "-np", str(slots), "-c", str(2048 * slots), "-cb", "--host", "127.0.0.1", "--port", str(port)]
+        self.port, self.peer = port, peer
+
+    def __enter__(self):
+        import urllib.request
+
+        self.log = open(f"/tmp/calid-bench-{self.peer}.log", "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PeerUnavailable(f"exited with {self.proc.returncode} (log: {self.log.name})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(1)
+        self.__exit__()
+        raise PeerUnavailable(f"not ready within 300 s (log: {self.log.name})")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def _requests(args, c: int) -> int:
+    """How many requests a point at concurrency c sends: --requests, else twice c and at least 4."""
+    return args.requests or max(4, 2 * c)
+
+
+def _sweep(url: str, model: str, server: str, mode: str, sweep: list[int], prompts: list[str], args) -> list:
+    """(server, mode, load, outcomes) per concurrency of the closed-loop sweep."""
+    runs, at = [], 1
+    asyncio.run(_closed_loop(url, model, mode, server, 1, prompts[:1], 8, True))  # warm the path (first-call costs)
+    for c in sweep:  # fresh prompts per point, the same ones for every server: no server answers from a prompt cache
+        n = _requests(args, c)
+        point = [prompts[(at + i) % len(prompts)] for i in range(n)]
+        at += n
+        outs = asyncio.run(_closed_loop(url, model, mode, server, c, point, args.max_new_tokens, args.ignore_eos))
+        runs.append((server, mode, f"c{c}", outs))
+        _say(server, mode, f"c{c}", outs)
+    return runs
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    name: str  # the trace file's name
+    trace: list  # calid.placement.traffic.TraceRequest, at the replay's rate
+    prompts: list[str]
+    rate: float  # requests per second
+    capacity: float  # requests per second calid ar sustained at the sweep's top concurrency
+
+    @property
+    def mean_prompt(self) -> float:
+        return statistics.mean(r.prompt_tokens for r in self.trace)
+
+    @property
+    def mean_output(self) -> float:
+        return statistics.mean(r.output_tokens for r in self.trace)
+
+
+def _replay_plan(args, model: str, ar_top: list) -> ReplayPlan:
+    """The trace's first requests (lengths capped), prompts cut from HumanEval's text to their lengths, at
+    --trace-rate x the rate calid ar sustained at the top of the sweep (its tokens/s / the mean output)."""
+    from calid.backends import model_facts
+    from calid.placement import traffic as load
+    from calid.bench.data import humaneval_prompts
+    from calid.errors import CalidError
+    from calid.models.loader import load_tokenizer
+
+    if not Path(args.trace).is_file():
+        raise CalidError(f"no trace at {args.trace}: pass --trace PATH, or --trace '' to skip the replay")
+    if args.trace_rate <= 0 or args.trace_requests < 2 or args.max_prompt_tokens < 1:
+        raise CalidError("--trace-rate must be > 0, --trace-requests >= 2, --max-prompt-tokens >= 1")
+    trace = load.capped(load.read_trace(Path(args.trace), args.trace_requests), args.max_prompt_tokens,
+                        args.max_new_tokens)
+    tokenizer = load_tokenizer(model_facts(model, show_progress=False)[1])
+    corpus = tokenizer("\n\n".join(humaneval_prompts()), add_special_tokens=False)["input_ids"]
+    prompts = [tokenizer.decode(ids) for ids in load.cut_prompts(corpus, [r.prompt_tokens for r in trace])]
+    capacity = load.score(ar_top, load.Slo(float("inf"), float("inf")))["tok_s"] / \
+        statistics.mean(r.output_tokens for r in trace)
+    rate = args.trace_rate * capacity
+    return ReplayPlan(Path(args.trace).name, load.at_rate(trace, rate), prompts, rate, capacity)
+
+
+def _replay(url: str, model: str, server: str, mode: str, plan: ReplayPlan) -> tuple:
+    """(server, mode, "trace", outcomes): each request sent at its arrival time, as a raw completion."""
+    async def go():
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=url, api_key="none", timeout=1800, max_retries=0) as client:
+            start = time.perf_counter()
+
+            async def at(r, prompt):
+                await asyncio.sleep(max(0.0, start + r.at_s - time.perf_counter()))
+                return await _one(client, model, server, mode, r.output_tokens, prompt=prompt)
+
+            return list(await asyncio.gather(*(at(r, p) for r, p in zip(plan.trace, plan.prompts))))
+
+    outs = asyncio.run(go())
+    _say(server, mode, "trace", outs)
+    return server, mode, "trace", outs
+
+
+def _say(server: str, mode: str, where: str, outs: list) -> None:
+    from calid.placement import traffic as load
+
+    ok = [o for o in outs if o.error is None]
+    tok_s = load.score(outs, load.Slo(float("inf"), float("inf")))["tok_s"]
+    print(f"  {server} {mode} {where}: {tok_s:.2f} tok/s, {len(outs) - len(ok)} errors", file=sys.stderr)
+    if outs and not ok:
+        print(f"    first error: {outs[0].error}", file=sys.stderr)
+
+
+def _rows(runs: list, slo_scale: float, limit: float) -> tuple[list[dict], object]:
+    """One row per server, mode and load, from runs (server, mode, load, outcomes, round), scored against an SLO
+    of ``slo_scale`` x calid ar's TTFT and TPOT p50 at the lowest concurrency (its requests of every round).
+    tok_s: the median of the rounds; its ratio: the median of each round's ratio to calid ar's in that round;
+    latencies and counts: every round's requests together."""
+    from calid.placement import traffic as load
+
+    def tok_s(outs):
+        return load.score(outs, load.Slo(float("inf"), float("inf")))["tok_s"]
+
+    points = {}  # (server, mode, load) -> {round: outcomes}, in the order first run
+    for server, mode, where, outs, rnd in runs:
+        points.setdefault((server, mode, where), {})[rnd] = outs
+    low = next(v for (server, mode, _), v in points.items() if (server, mode) == ("calid", "ar"))
+    base = load.score([o for outs in low.values() for o in outs], load.Slo(float("inf"), float("inf")))
+    slo = load.Slo(slo_scale * base["ttft_ms_p50"] / 1000, slo_scale * base["tpot_ms_p50"] / 1000)
+    rows = []
+    for (server, mode, where), by_round in points.items():
+        sc = load.score([o for outs in by_round.values() for o in outs], slo)
+        ar = points.get(("calid", "ar", where), {})
+        ratios = [tok_s(outs) / tok_s(ar[rnd]) if rnd in ar and tok_s(ar[rnd]) else float("nan")
+                  for rnd, outs in sorted(by_round.items())]
+        rows.append({"server": server, "mode": mode, "load": where, **{k: sc[k] for k in (
+            "requests", "errors", "tokens", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met")},
+            "tok_s": statistics.median(tok_s(outs) for outs in by_round.values()),
+            "tok_s_vs_calid_ar": statistics.median(ratios),
+            "rounds_vs_calid_ar": " ".join(f"{r:.2f}" for r in ratios),
+            "limit_tok_s": limit * int(where[1:]) if where.startswith("c") else "-"})
+    return rows, slo
+
+
+async def _closed_loop(url: str, model: str, mode: str, server: str, clients: int, prompts: list[str],
+                       max_new: int, ignore_eos: bool) -> list:
+    """Each of ``prompts`` once, by ``clients`` clients that each send their next when the last one ends."""
+    from openai import AsyncOpenAI
+
+    todo, out = list(range(len(prompts)))[::-1], []
+    async with AsyncOpenAI(base_url=url, api_key="none", timeout=1800, max_retries=0) as client:
+        async def worker():
+            while todo:
+                prompt = prompts[todo.pop()]
+                out.append(await _one(client, model, server, mode, max_new, [{"role": "user", "content": prompt}],
+                                      ignore_eos=ignore_eos))
+
+        await asyncio.gather(*(worker() for _ in range(clients)))
+    return out
+
+
+async def _one(client, model: str, server: str, mode: str, max_new: int, messages: list | None = None,
+               prompt: str | None = None, ignore_eos: bool = True):
+    """One streamed request (a chat with ``messages``, else a raw completion of ``prompt``), greedy, EOS
+    ignored unless ``ignore_eos`` is False; tokens from the usage the server reports at the end, else one per chunk
+    with text."""
+    from calid.placement.traffic import Outcome
+
+    extra = {"ignore_eos": ignore_eos, **({"mode": mode} if server == "calid" else {})}
+    common = dict(model=model, max_tokens=max_new, temperature=0, stream=True, extra_body=extra,
+                  stream_options={"include_usage": True})
+    sent, first, last, chunks, usage = time.perf_counter(), None, None, 0, None
+    try:
+        if messages is not None:
+            stream = await client.chat.completions.create(messages=messages, **common)
+        else:
+            stream = await client.completions.create(prompt=prompt, **common)
+        async for chunk in stream:
+            if getattr(chunk, "usage", None) is not None:
+                usage = chunk.usage.completion_tokens
+            if chunk.choices and ((chunk.choices[0].delta.content if messages is not None else chunk.choices[0].text)):
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+    except Exception as e:  # noqa: BLE001 - counted in the row's errors
+        return Outcome(sent, first, last, chunks, error=f"{type(e).__name__}: {e}")
+    tokens = usage if usage else chunks
+    # llama_cpp.server under concurrent requests ends some streams with no content and no error
+    return Outcome(sent, first, last, tokens, error=None if chunks else "the stream ended with no tokens")
+
+
+def _plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["server"], r["mode"]) for r in rows}):
+        pts = sorted((int(r["load"][1:]), r["tok_s"]) for r in rows
+                     if (r["server"], r["mode"]) == key and r["load"].startswith("c"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput vs concurrency, one OpenAI client")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

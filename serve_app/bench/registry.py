@@ -1,0 +1,18 @@
+"""Every ``calid bench`` command, in the order ``calid bench --help`` lists them.
+
+Engine benchmarks (calid/bench/) measure the library in one process; served benchmarks (serve_app/bench/) measure
+a running calid app through its gRPC or HTTP front. Each module's ``add_parser(sub)`` adds its subcommand (or
+subcommands) and sets the function that runs it.
+"""
+from __future__ import annotations
+
+from calid.bench import (ar, decode, dtype, gpu, invariance, parallel, quality_curve, sarathi, step, trees)
+from serve_app.bench import edge_drafting, hostile, http, load, modes, peers, placement_live, serve
+
+ENGINE = (ar, decode, quality_curve, trees, sarathi, parallel, dtype, step, invariance, gpu)
+SERVED = (serve, hostile, edge_drafting, load, http, modes, peers, placement_live)
+
+
+def add_parsers(sub) -> None:
+    for module in ENGINE + SERVED:
+        module.add_parser(sub)

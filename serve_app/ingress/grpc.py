@@ -1,0 +1,113 @@
+"""The gRPC and HTTP entry points of a model's router: what Serve's proxies call, turned into the router's one
+request path (``open`` / ``events`` via serve_app.ingress.outputs / ``close``; ``authorize``, ``refuse``).
+
+``GrpcFront`` holds the calid.v1 service methods (Generate, GenerateStream, Health, ListModels, Cancel,
+Collaborate), the calls a multi-model front forwards, and ``__call__`` for Serve's HTTP proxy (the OpenAI API,
+serve_app.ingress.openai_http). The Router deployment inherits it; nothing here reaches a private member.
+"""
+from __future__ import annotations
+
+from calid.v1 import calid_pb2 as pb
+from serve_app.ingress import openai_http
+from serve_app.ingress.collaborate import collaborate
+from serve_app.ingress.frontdoor import FORWARDED, ForwardedContext, Refused, grpc_caller, set_grpc_status
+from serve_app.ingress.outputs import outputs
+from serve_app.router.calls import Failure, RequestRefused
+
+
+class GrpcFront:
+    """calid.v1's service on the router (Serve's gRPC proxy calls these by name)."""
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        try:
+            r = await self.open(request, grpc_caller(grpc_context))
+        except Refused as e:
+            set_grpc_status(grpc_context, e)
+            return pb.GenerateResponse()
+        try:
+            async for out in outputs(self, r, stream=False):
+                if isinstance(out, Failure):
+                    return self._fail(grpc_context, r, out)
+                return out.response(r.client_id, r.mode)
+        finally:
+            self.close(r)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
+        try:
+            r = await self.open(request, grpc_caller(grpc_context))
+        except Refused as e:  # Serve sends the status set on the context when a stream raises
+            set_grpc_status(grpc_context, e)
+            raise RequestRefused(e.message) from None
+        try:
+            async for out in outputs(self, r, stream=True):
+                if isinstance(out, Failure):
+                    self._fail(grpc_context, r, out)
+                    raise RequestRefused(out.message)
+                yield out.chunk(r.client_id, r.mode)
+        finally:
+            self.close(r)
+
+    async def Health(self, request: pb.HealthRequest, grpc_context=None) -> pb.HealthResponse:
+        """Open to every caller (load balancers probe it); false while draining or with a dead step loop."""
+        return pb.HealthResponse(**self.health())
+
+    async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
+        try:
+            self.authorize(grpc_caller(grpc_context), "models")
+        except Refused as e:
+            set_grpc_status(grpc_context, e)
+            return pb.ListModelsResponse()
+        models = [pb.ModelInfo(role="target", name=self.cfg.target, vocab_size=self.vocab_size,
+                               max_position=self.max_position, served_as=self.model_id, modes=self.modes(),
+                               default_mode=self.orch.default_decode.mode)]
+        if self.draft is not None:
+            models.append(pb.ModelInfo(role="draft", name=self.cfg.draft, vocab_size=self.vocab_size,
+                                       max_position=self.max_position))
+        return pb.ListModelsResponse(models=models, modes=self.modes(), default_mode=self.orch.default_decode.mode)
+
+    async def Cancel(self, request: pb.CancelRequest, grpc_context=None) -> pb.CancelResponse:
+        """Free the caller's request ``request_id`` now (the SDK sends this when it abandons a stream)."""
+        caller = grpc_caller(grpc_context)
+        try:
+            self.authorize(caller, "cancel")
+        except Refused as e:
+            set_grpc_status(grpc_context, e)
+            return pb.CancelResponse()
+        return pb.CancelResponse(cancelled=self.cancel(request.request_id, caller))
+
+    # ---- calls a multi-model front forwards (serve_app.ingress.multi_model) ----------------------
+
+    async def forwarded(self, method: str, request, metadata: tuple) -> tuple:
+        """Generate, ListModels, Health or Cancel as the front received it (``metadata``: the caller's gRPC
+        metadata): (reply, status code or None, details)."""
+        if method not in FORWARDED:
+            raise ValueError(f"not a forwarded method: {method}")
+        ctx = ForwardedContext(metadata)
+        reply = await getattr(self, method)(request, ctx)
+        return reply, ctx.code, ctx.details
+
+    async def forwarded_stream(self, request: pb.GenerateRequest, metadata: tuple):
+        """GenerateStream as the front received it: its chunks, then a (status code, details) pair if the
+        stream ends refused or failed."""
+        ctx = ForwardedContext(metadata)
+        try:
+            async for chunk in self.GenerateStream(request, ctx):
+                yield chunk
+        except RequestRefused:
+            yield ctx.code, ctx.details
+
+    # ---- the OpenAI-compatible HTTP front-end (Serve's HTTP proxy calls this) ---------------------
+
+    async def __call__(self, request):
+        if not self.cfg.http_port:
+            return openai_http.off()
+        return await openai_http.handle(self, request)
+
+    async def Collaborate(self, request_stream, grpc_context=None):
+        """Edge drafting (calid.v1 Collaborate): the client drafts, this router filters and verifies."""
+        async for reply in collaborate(self, request_stream, grpc_context):
+            yield reply
+
+    def _fail(self, grpc_context, r, failure: Failure):
+        set_grpc_status(grpc_context, self.refuse(r.mode, failure.code, failure.message, r.frontend))
+        return pb.GenerateResponse(request_id=r.client_id)

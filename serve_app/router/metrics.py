@@ -1,0 +1,108 @@
+"""Prometheus metrics of the calid app (ray.serve.metrics), exported as ``ray_calid_*``.
+
+Serve adds deployment/replica/application tags itself. The Grafana dashboard
+in serve_app/cluster/grafana/calid_dashboard.json plots every series defined here.
+"""
+from __future__ import annotations
+
+from ray.serve import metrics
+
+from calid.generation import GenerationResult
+
+LATENCY_MS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]
+COUNTS = [1, 2, 4, 8, 16, 32, 64]
+
+
+class RouterMetrics:
+    def __init__(self):
+        self.requests = metrics.Counter("calid_requests", "requests finished, by mode, outcome (gRPC code) and "
+                                        "front-end (grpc, edge, http)", tag_keys=("mode", "code", "frontend"))
+        self.tokens = metrics.Counter("calid_tokens", "output tokens by source (draft or target)",
+                                      tag_keys=("mode", "source"))
+        self.drafted = metrics.Counter("calid_drafted_tokens", "output tokens that came from a draft, by where it "
+                                       "ran: edge (the client's own draft, Collaborate) or cluster",
+                                       tag_keys=("where",))
+        self.filtered_fraction = metrics.Gauge("calid_filtered_fraction",
+                                               "output tokens from the draft / all output tokens (last 10 s)")
+        self.acceptance = metrics.Histogram("calid_acceptance_length", "draft tokens accepted per verification",
+                                            boundaries=[0.5, 1, 2, 3, 4, 6, 8, 12, 16], tag_keys=("mode",))
+        self.queue_depth = metrics.Gauge("calid_queue_depth", "requests admitted and waiting for a decoding slot")
+        self.active = metrics.Gauge("calid_active_requests", "requests decoding")
+        self.forward_cost = metrics.Gauge("calid_forward_cost_ms", "the router's cost model (the auto planner's "
+                                          "input): a target forward of <size> tokens, a draft step of <size> "
+                                          "sequences; calibrated at start, refreshed from live timings; "
+                                          "target_replica: the target replica it times (all: pooled)",
+                                          tag_keys=("role", "size", "target_replica"))
+        self.ttft = metrics.Histogram("calid_ttft_ms", "time to first token at the router",
+                                      boundaries=LATENCY_MS, tag_keys=("mode",))
+        self.tpot = metrics.Histogram("calid_tpot_ms", "time per output token after the first",
+                                      boundaries=LATENCY_MS, tag_keys=("mode",))
+        self.draft_lost = metrics.Counter("calid_draft_lost", "times the router could not reach the draft workers "
+                                          "and went on without them (target-only steps until a draft answers)")
+        self.draft_available = metrics.Gauge("calid_draft_available", "1 while the router drafts, 0 while its "
+                                             "draft workers are unreachable and every step is target-only")
+        self.filter_agreement = metrics.Gauge("calid_filter_agreement", "audited filter requests (every one with "
+                                              "min_agreement, one in agreement_audit_every of the rest): share of "
+                                              "their output tokens that equal the target's top-1 (since start)")
+        self.draft_top1_match = metrics.Gauge("calid_draft_match_rate", "the agreement table (min_agreement's "
+                                              "threshold choice): how often the draft's top-1 is the target's, "
+                                              "calibration plus what the target has seen")
+        self.slo = metrics.Counter("calid_slo_requests", "finished requests of a model with an SLO "
+                                   "(slo_ttft_ms / slo_tpot_ms), by whether they met it: attainment = met=yes / all",
+                                   tag_keys=("met",))
+        self.escalation_batch = metrics.Histogram("calid_escalation_batch_size",
+                                                  "requests per router step that needed the target",
+                                                  boundaries=COUNTS)
+
+    def finished(self, result: GenerationResult, mode: str, frontend: str = "grpc") -> None:
+        tags = {"mode": mode}
+        self.requests.inc(tags={"mode": mode, "code": "OK", "frontend": frontend})
+        for source, n in (("draft", result.stats.draft_tokens), ("target", result.stats.target_tokens)):
+            if n > 0:  # Counter.inc refuses 0
+                self.tokens.inc(n, tags={"mode": mode, "source": source})
+        if result.stats.verifications:
+            self.acceptance.observe(result.stats.mean_accepted, tags=tags)
+        self.ttft.observe(result.ttft_s * 1000, tags=tags)
+        if len(result.output_ids) > 1:
+            self.tpot.observe((result.total_s - result.ttft_s) * 1000 / (len(result.output_ids) - 1), tags=tags)
+
+    def attainment(self, met: bool | None) -> None:
+        if met is not None:
+            self.slo.inc(tags={"met": "yes" if met else "no"})
+
+    def costs(self, verify, draft, replicas: dict | None = None) -> None:
+        """Export the cost model (calid.planning.CostTable of each role, and of each target replica) at a few
+        sizes."""
+        tables = [("target", "all", verify, (1, 4, 16, 64)), ("draft", "all", draft, (1, 8, 32))]
+        tables += [("target", str(r), t, (1, 4, 16, 64)) for r, t in (replicas or {}).items()]
+        for role, replica, table, sizes in tables:
+            if table.known:
+                for n in sizes:
+                    self.forward_cost.set(table(n) * 1000,
+                                          tags={"role": role, "size": str(n), "target_replica": replica})
+
+    def agreement(self, audited: list[int], table) -> None:
+        if audited[1]:
+            self.filter_agreement.set(audited[0] / audited[1])
+            self.draft_top1_match.set(table.agreement_rate)
+
+    def failed(self, mode: str, code: str, frontend: str = "grpc") -> None:
+        self.requests.inc(tags={"mode": mode, "code": code, "frontend": frontend})
+
+
+class WorkerMetrics:
+    def __init__(self, role: str):
+        self.batch = metrics.Histogram(f"calid_{role}_batch_size", f"requests per {role} worker batch "
+                                       "(all router calls merged into one model pass)", boundaries=COUNTS)
+        self.latency = metrics.Histogram(f"calid_{role}_call_ms", f"{role} worker batch latency", boundaries=LATENCY_MS)
+
+
+def meets_slo(result: GenerationResult, ttft_ms: float | None, tpot_ms: float | None) -> bool | None:
+    """Whether a finished request met its model's SLO (None: the model has none). TPOT is the mean time per
+    output token after the first."""
+    if ttft_ms is None and tpot_ms is None:
+        return None
+    if ttft_ms is not None and result.ttft_s * 1000 > ttft_ms:
+        return False
+    n = len(result.output_ids)
+    return tpot_ms is None or n < 2 or (result.total_s - result.ttft_s) * 1000 / (n - 1) <= tpot_ms
