@@ -107,3 +107,32 @@ def grounded_prompts(n: int) -> list[str]:
             doc = articles[(i // 2) % len(articles)]["document"][:1500]
             out.append("Summarize this article in three sentences, quoting its own words where you can.\n\n" + doc)
     return out
+
+
+def chat_prompts(n: int) -> list[str]:
+    """Open chat: the first turns of MT-bench's 80 questions (writing, roleplay, reasoning, math, coding,
+    extraction, STEM, humanities), in the file's order, repeated past 80."""
+    questions = mtbench_questions()
+    return [questions[i % len(questions)]["turns"][0] for i in range(n)]
+
+
+WORKLOAD_PROMPTS = {"humaneval": humaneval_prompts, "grounded": grounded_prompts, "chat": chat_prompts}
+
+
+def mixed_prompts(n: int) -> list[str]:
+    """What a server's users send, in turn: a function to write (HumanEval), an edit or summary of a given text
+    (grounded_prompts), an open chat question (MT-bench); each kind in its own order."""
+    per_kind = -(-n // 3)
+    kinds = [humaneval_prompts(per_kind), grounded_prompts(per_kind), chat_prompts(per_kind)]
+    return [kinds[i % 3][i // 3] for i in range(n)]
+
+
+def workload_prompts(workload: str, n: int) -> list[str]:
+    """``n`` prompts of a named workload: humaneval, grounded, chat, or mix (the three in turn)."""
+    if workload == "mix":
+        return mixed_prompts(n)
+    return WORKLOAD_PROMPTS[workload](n)
+
+
+WORKLOADS = ("mix", *WORKLOAD_PROMPTS)
+

@@ -5,10 +5,13 @@ Side by side in one run, same prompts through the chat template, greedy, each an
 model repeats itself past its answer and n-gram drafts copy it): for each workload,
 concurrency C and mode, a burst of C requests through gRPC + Ray Serve and the same C requests through
 the in-process ``Engine`` (batch C), alternating which goes first, repeated ``--rounds`` times, the modes in
-reverse order every other round (the median counts: the machine is shared and noisy, and drifts). Workloads:
+reverse order every other round (the median counts: the machine is shared and noisy, and drifts). Workloads
+(calid.bench.data.workload_prompts):
+  mix        the default: the three below in turn, as a server's users send them;
   humaneval  "complete this function" prompts: free-form generation, little to copy;
   grounded   refactors of HumanEval's reference functions and summaries of XSum articles that quote
-             them: answers that copy their input, where n-gram drafts cost no model time.
+             them: answers that copy their input, where n-gram drafts cost no model time;
+  chat       MT-bench's first turns: open questions (writing, reasoning, STEM, roleplay, ...).
 Printed per point: tokens/s served and in process, the ratio to ar at the same point (whole requests, prefill
 included), the served time per output token after the first and its ratio to ar's (decoding alone, what
 drafting can speed up), the most any mode could gain on whole requests if decoding cost nothing
@@ -33,10 +36,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from calid.bench.data import WORKLOADS
+from serve_app.cluster.config import add_topology_arg
+
 COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "rounds_vs_ar", "tpot_ms", "decode_vs_ar",
            "prefill_cap", "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "nonforward_ms",
            "inproc_nonforward_ms", "inproc_plan_ms", "draft_share", "guard_plain", "same_as_ar", "filter_cap"]
-WORKLOADS = ("humaneval", "grounded")
 
 
 def add_parser(sub) -> None:
@@ -44,7 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--small", action="store_true", help="SmolLM2-135M with self:16 instead of the Qwen pair")
     p.add_argument("--modes", default="ar,auto,filter", help="comma-separated modes (ar always runs)")
     p.add_argument("--concurrency", default="1,4,12", help="comma-separated burst sizes")
-    p.add_argument("--workloads", default="humaneval,grounded", help=f"comma-separated among {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default="mix", help=f"comma-separated among {', '.join(WORKLOADS)} (default mix: "
+                   "code to write, text to edit or summarize, and open chat, in turn)")
     p.add_argument("--rounds", type=int, default=2, help="repeats of every point (median reported)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="at most this many tokens an answer (default 96); "
                    "answers end at EOS, as users' requests do")
@@ -54,6 +60,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-inproc", action="store_true", help="serve only (skip the in-process engine)")
     p.add_argument("--batch-invariant", choices=("on", "off"), default=None, help="override the app config's "
                    "batch_invariant (llama.cpp: exact forwards of at most 3 rows a call)")
+    add_topology_arg(p)
     p.add_argument("--plain-run-ms", type=float, default=None, help="override the app config's plain_run_ms (0: "
                    "one target step per call, to measure what runs of plain steps save)")
     p.add_argument("--port", type=int, default=50066)
@@ -120,7 +127,7 @@ def run(args) -> int:
     from calid.bench.report import write_report
 
     modes, workloads, sweep = _options(args)
-    setup = _Setup(args, max(sweep))
+    setup = _Setup(args, max(sweep), workloads)
     setup.announce(modes, workloads, sweep)
     spec_cap = setup.calibrate() if "auto" in modes else None
     samples, caps = _measure(args, setup, modes, workloads, sweep)
@@ -154,16 +161,17 @@ class _Setup:
     """The models opened once for the whole run (in-process engine beside the served app), the prompts, and
     this machine's decode limit."""
 
-    def __init__(self, args, top: int):
+    def __init__(self, args, top: int, workloads: list[str]):
         from calid.backends import open_draft, open_model
-        from calid.bench.data import grounded_prompts, humaneval_prompts
+        from calid.bench.data import workload_prompts
         from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
         from calid.engine import Engine
         from serve_app.cluster.config import AppConfig, with_plain_run_ms
 
         base = AppConfig.small if args.small else AppConfig
         # every mode runs the same prompts: no prompt cache, or each point after the first would skip its prefill
-        cfg = base(grpc_port=args.port, http_port=0, max_active=top, queue_capacity=max(64, top), prompt_cache=False)
+        cfg = base(grpc_port=args.port, http_port=0, max_active=top, queue_capacity=max(64, top), prompt_cache=False,
+                   topology=args.topology)
         if args.batch_invariant is not None:
             cfg = cfg.model_copy(update={"batch_invariant": args.batch_invariant == "on"})
         self.cfg = cfg = with_plain_run_ms(cfg, args.plain_run_ms)
@@ -175,7 +183,7 @@ class _Setup:
             self.target.runner, self.target.tokenizer, self.target.eos_ids, draft=draft.runner, max_batch=top,
             max_forward_tokens=cfg.max_forward_tokens)
         self.top = top
-        self.texts = {"humaneval": humaneval_prompts(top), "grounded": grounded_prompts(top)}
+        self.texts = {w: workload_prompts(w, top) for w in workloads}
         # per workload: at most how many tokens, and whether EOS ends an answer
         self.lengths = {w: (args.max_new_tokens, not args.ignore_eos) for w in WORKLOADS}
         self.rounds = args.rounds
@@ -224,9 +232,9 @@ def _measure(args, setup: _Setup, modes, workloads, sweep) -> tuple[dict, dict]:
     samples: dict[tuple, list[dict]] = {}
     try:
         address = f"127.0.0.1:{cfg.grpc_port}"
-        asyncio.run(_burst(address, cfg.app_name, "ar", texts["humaneval"][:1], 4))  # warm every path once
+        asyncio.run(_burst(address, cfg.app_name, "ar", texts[workloads[0]][:1], 4))  # warm every path once
         for mode in modes:
-            asyncio.run(_burst(address, cfg.app_name, mode, texts["humaneval"][:1], 4))
+            asyncio.run(_burst(address, cfg.app_name, mode, texts[workloads[0]][:1], 4))
         total = args.rounds * len(workloads) * len(sweep) * len(modes)
         with progress(total, "bench modes", "point") as bar:
             for rnd in range(args.rounds):

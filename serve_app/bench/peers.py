@@ -35,10 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from calid.placement.traffic import DEFAULT_TRACE
+from calid.bench.data import WORKLOADS
+from serve_app.cluster.config import add_topology_arg
 
 COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "tok_s_vs_calid_ar",
            "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met", "limit_tok_s"]
 PEERS = ("llama-cpp-python", "llama-server")
+PROMPTS = 240  # prompts a run draws from, in turn
 
 
 def add_parser(sub) -> None:
@@ -63,6 +66,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="trace prompts are cut to at most this")
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO: this x calid ar's TTFT and TPOT p50 at the "
                    "lowest concurrency")
+    add_topology_arg(p)
+    p.add_argument("--workload", default="mix", choices=WORKLOADS, help="the prompts (default mix: code to write, "
+                   "text to edit or summarize, open chat, in turn; calid.bench.data.workload_prompts)")
     p.add_argument("--plain-run-ms", type=float, default=None, help="override calid's plain_run_ms (0: one target step "
                    "per call)")
     p.add_argument("--port", type=int, default=8093, help="HTTP port each server takes in turn")
@@ -72,7 +78,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from calid.backends import cpu_summary, gguf_file, open_model
-    from calid.bench.data import humaneval_prompts
+    from calid.bench.data import workload_prompts
     from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
     from calid.bench.report import parse_numbers, write_report
     from calid.decoding.modes import MODES
@@ -89,15 +95,18 @@ def run(args) -> int:
     modes = ["ar"] + [m for m in modes if m != "ar"]
     threads = args.threads or os.cpu_count() or 1
     cfg = (AppConfig.small if args.small else AppConfig)(grpc_port=_free_port(), http_port=args.port,
-                                                         max_active=max(16, max(sweep)), worker_threads=threads)
+                                                         max_active=max(16, max(sweep)), worker_threads=threads,
+                                                         topology=args.topology)
     cfg = with_plain_run_ms(cfg, args.plain_run_ms)
     gguf = str(gguf_file(cfg.target, False))
     weight_bytes = open_model(cfg.target, log=lambda line: None, show_progress=False).decode_read_bytes
     bandwidth = memory_bandwidth_gbs()
     limit = decode_limit_tok_s(bandwidth, weight_bytes)
-    prompts = humaneval_prompts()  # every point takes the next ones: a prompt never repeats within a server's run
+    # every point takes the next ones: a prompt never repeats within a server's run
+    prompts = workload_prompts(args.workload, PROMPTS)
     print(f"bench peers: {cfg.target} ({Path(gguf).name}), {threads} threads; calid modes {modes}; peers {peers}; "
-          f"concurrency {sweep}; {args.rounds} round(s); {args.max_new_tokens} new tokens, greedy; {cpu_summary()}; "
+          f"concurrency {sweep}; {args.rounds} round(s); workload {args.workload}; at most {args.max_new_tokens} new "
+          f"tokens, greedy; calid topology {cfg.topology}; {cpu_summary()}; "
           f"decode limit {limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)",
           file=sys.stderr)
     runs, skipped = [], {}
@@ -124,7 +133,8 @@ def run(args) -> int:
                 skipped[server] = str(e)
                 print(f"bench peers: {server} not run: {e}", file=sys.stderr)
     rows, slo = _rows(runs, args.slo_scale, limit)
-    meta = {"model": cfg.target, "gguf": Path(gguf).name, "threads": threads, "cpu": cpu_summary(),
+    meta = {"model": cfg.target, "gguf": Path(gguf).name, "workload": args.workload, "topology": cfg.topology,
+            "threads": threads, "cpu": cpu_summary(),
             "bandwidth_GBps": round(bandwidth, 1), "new_tokens": args.max_new_tokens,
             "rounds": args.rounds, "slo": f"TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.0f} ms",
             **({"replay": f"{replay.name}: {len(replay.trace)} requests at {replay.rate:.3f}/s ({args.trace_rate:g} x "

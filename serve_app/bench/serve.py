@@ -42,11 +42,9 @@ def _server_times(cfg) -> tuple[float, int, float]:
     """(router step seconds, router steps, forward seconds of every worker) so far."""
     from ray import serve
 
-    router = serve.get_deployment_handle("router", cfg.app_name).stats.remote().result()
-    forward = 0.0
-    for role in ("target", "draft") if cfg.draft is not None else ("target",):
-        forward += serve.get_deployment_handle(role, cfg.app_name).stats.remote().result()["busy_s"]
-    return router["step_s"], router["steps"], forward
+    router = serve.get_deployment_handle("router", cfg.app_name)
+    stats, workers = router.stats.remote().result(), router.worker_stats.remote().result()
+    return stats["step_s"], stats["steps"], sum(w["busy_s"] for w in workers.values())
 
 
 def _model_forward_s(cfg) -> float:
@@ -54,9 +52,8 @@ def _model_forward_s(cfg) -> float:
     worker that reports none, e.g. a sharded target)."""
     from ray import serve
 
-    roles = ("target", "draft") if cfg.draft is not None else ("target",)
-    return sum(serve.get_deployment_handle(role, cfg.app_name).stats.remote().result().get("forward_s", 0.0)
-               for role in roles)
+    workers = serve.get_deployment_handle("router", cfg.app_name).worker_stats.remote().result()
+    return sum(w.get("forward_s", 0.0) for w in workers.values())
 
 
 def _serving_ms(cfg, before: tuple[float, int, float], inproc_s: float) -> tuple[float, float]:

@@ -48,8 +48,15 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
 
 
 def _model_app(cfg: AppConfig, suffix: str = ""):
-    """One model's router, draft and target deployments (``suffix``: their names' in a multi-model app)."""
+    """One model's router, draft and target deployments (``suffix``: their names' in a multi-model app); with
+    ``topology: engine``, one router deployment that holds both models (serve_app.workers.colocated)."""
     config = cfg.model_dump()
+    if cfg.topology == "engine":
+        cpus = cfg.router_num_cpus + cfg.target_num_cpus + (cfg.draft_num_cpus if cfg.draft is not None else 0.0)
+        return Router.options(name="router" + suffix,
+                              ray_actor_options={"num_cpus": cpus, "num_gpus": cfg.target_num_gpus,
+                                                 "resources": {**cfg.router_resources, **cfg.target_resources}},
+                              ).bind(config, None, None)
     sharded = cfg.sharded  # the shards hold the model (and the GPUs); the replica only drives them
     spread = {"max_replicas_per_node": cfg.max_replicas_per_node} if cfg.max_replicas_per_node else {}
     target = TargetDeployment.options(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from calid.decoding.modes import MODES
@@ -129,6 +131,10 @@ class AppConfig(BaseModel):
                                        "many; 0: none): keeps the live agreement estimate (calid_filter_agreement) "
                                        "moving. Requests with min_agreement are always audited (a few extra logits "
                                        "rows per target call)")
+    topology: Literal["split", "engine"] = Field("split", description="split: draft and target are deployments of "
+                                                 "their own (scaled apart, on any node, TP/PP groups); engine: the "
+                                                 "router replica holds both models and calls them in process, with "
+                                                 "no process hop per step (one node; calid serve's default)")
     max_active: int = Field(16, ge=1, description="requests one router decodes at once")
     queue_capacity: int = Field(
         64, ge=0, description="admitted requests waiting for a slot; more -> RESOURCE_EXHAUSTED"
@@ -233,6 +239,9 @@ class AppConfig(BaseModel):
             raise ValueError("tensor/pipeline-parallel target groups run on torch: set target_backend to auto or torch")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        if self.topology == "engine" and self.sharded:
+            raise ValueError("topology engine holds the target in the router's process: a TP/PP target group needs "
+                             "topology split")
         for name in ("device", "draft_device", "target_device"):
             if getattr(self, name) not in ("cpu", "cuda", None if name != "device" else "cpu"):
                 raise ValueError(f"{name} must be cpu or cuda, got {getattr(self, name)!r}")
@@ -325,6 +334,15 @@ def with_plain_run_ms(cfg: AppConfig, ms: float | None) -> AppConfig:
     if ms < 0:
         raise CalidError("--plain-run-ms takes milliseconds >= 0")
     return cfg.model_copy(update={"plain_run_ms": ms})
+
+
+TOPOLOGY_HELP = ("engine (default): the router holds draft and target in one process, no hop per step; "
+                 "split: separate draft and target deployments (scaled apart, as on a cluster)")
+
+
+def add_topology_arg(p) -> None:
+    """``--topology`` for calid serve/demo and the served benchmarks: engine unless asked."""
+    p.add_argument("--topology", default="engine", choices=("engine", "split"), help=TOPOLOGY_HELP)
 
 
 def reasons(e: ValidationError) -> str:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from calid.errors import CalidError
 from calid.models.source import served_name
-from serve_app.cluster.config import AppConfig, ConfigError, reasons
+from serve_app.cluster.config import AppConfig, ConfigError, add_topology_arg, reasons
 
 
 def add_parsers(sub) -> None:
@@ -56,13 +56,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "target replicas; requests name theirs (proto/SDK `model`). E.g. "
                         "'qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct,qwen2.5-coder-0.5b-instruct,"
                         "smol=smollm2-135m-instruct+self:16' (overrides --target/--draft)")
+    add_topology_arg(p)
     p.add_argument("--drain-grace-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long requests in flight may run before shutdown (default 30)")
 
 
 def config_from_args(args) -> AppConfig:
     overrides = {"grpc_port": args.port, "http_port": args.http_port, "max_active": args.max_active,
-                 "queue_capacity": args.queue_capacity}
+                 "queue_capacity": args.queue_capacity, "topology": getattr(args, "topology", "engine")}
     if args.target:
         overrides["target"] = args.target
     if args.draft:

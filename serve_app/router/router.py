@@ -84,6 +84,10 @@ class _Request:
 class Router(GrpcFront):
     def __init__(self, config, draft=None, target=None):
         self.cfg = load_config(config)
+        if self.cfg.topology == "engine" and draft is None and target is None:
+            from serve_app.workers.colocated import colocated_workers
+
+            draft, target = colocated_workers(self.cfg.model_dump())  # no process hop per step
         self.draft, self.target = draft, target
         backend, folder = model_facts(self.cfg.target, self.cfg.target_backend, self.cfg.target_on, self.cfg.sharded,
                                       show_progress=False)
@@ -158,6 +162,12 @@ class Router(GrpcFront):
                               "draft_top1_match": self.orch.agreement.agreement_rate,
                               "calibration": str(self.agreement_calibration or "")},
                 "model": self.model_id, "slo": {"met": self._slo[True], "missed": self._slo[False]}}
+
+    async def worker_stats(self) -> dict:
+        """Each worker role's own stats (one replica's: time in forwards, batches, caches), as this router reaches
+        it: the benchmarks read forward time here in either topology."""
+        roles = {"target": self.target, "draft": self.draft}
+        return {role: await handle.stats.remote() for role, handle in roles.items() if handle is not None}
 
     async def drain(self) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not

@@ -101,7 +101,7 @@ async def _collaborate(router, local, prompt, **kw):
     """Drive one Collaborate call with the SDK's session; returns (context, replies, output ids)."""
     from calid.client.edge import EdgeSession
     from calid.client.sdk import build_request
-    from serve_app.router.router import RequestRefused
+    from serve_app.router.calls import RequestRefused
 
     ctx, stream = GrpcContext(), _Stream()
     session = EdgeSession(local, local.drafter(), build_request(prompt, max_new_tokens=N, ignore_eos=True, **kw))
@@ -212,7 +212,7 @@ def _scripted(gateway_pair, messages, close=False):
 
 
 async def _script(router, messages, close):
-    from serve_app.router.router import RequestRefused
+    from serve_app.router.calls import RequestRefused
 
     ctx, stream, replies = GrpcContext(), _Stream(), []
     stream.send(messages[0])
@@ -280,7 +280,7 @@ def test_the_server_trusts_confidences_but_caps_what_a_client_gets(gateway):
 
 def test_a_stalled_client_holds_up_no_one_else(gateway):
     """A collaborating request waits for its client outside the step loop: others decode meanwhile."""
-    from serve_app.router.router import RequestRefused
+    from serve_app.router.calls import RequestRefused
 
     router, target = gateway(edge_round_timeout_s=600)
 

@@ -16,7 +16,7 @@ from serve_app.main import main
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
         (["models", "pull", "gpt-17"], "unknown preset 'gpt-17'"),
         (["generate", "hi", "--model", "/no/such/model.gguf"], "GGUF file not found"),
-        (["bench", "modes", "--workloads", "chat"], "--workloads among humaneval, grounded"),
+        (["bench", "modes", "--workloads", "poetry"], "--workloads among mix, humaneval, grounded, chat"),
         (["bench", "modes", "--concurrency", "0"], "--concurrency takes counts >= 1"),
         (["bench", "modes", "--plain-run-ms", "-5"], "--plain-run-ms takes milliseconds >= 0"),
         (["bench", "modes", "--max-new-tokens", "1"], "--max-new-tokens >= 2"),
