@@ -210,7 +210,7 @@ class Client(_Base):
             finally:
                 call.cancel()  # a consumer that stops early tells the server to free the request...
                 if not (finished or ended):
-                    self._cancel(msg.request_id)  # ...and says so in a call of its own (README: Faults)
+                    self._cancel(msg.request_id)  # ...and says so in a call of its own (docs/serving.md: Faults)
 
     def _collaborate(self, msg: pb.GenerateRequest, timeout: float | None) -> Iterator[Chunk]:
         """Drive Collaborate with the local draft; retried like a stream, only before the first reply."""

@@ -19,7 +19,7 @@ shipped draft was only 1.7x cheaper than the model it drafts for.
          and thread count in $CALID_HOME/calibration/draft-weights.json.
 Lossless modes give the same tokens whichever draft drafts; filter keeps the
 draft's confident tokens, so its output can change with the draft's weights
-(README: the draft's weights).
+(docs/models.md: the draft's weights).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ closed-loop concurrency sweep against, one after the other on the same machine a
   llama-cpp-python    its own OpenAI server (``python -m llama_cpp.server``) over the same llama-cpp-python
                       build calid uses (it needs the server's web packages: ``pip install 'calid[bench]'``);
   llama-server        llama.cpp's C++ server with continuous batching (``-np`` slots), when --llama-server
-                      names its binary (see README: how to build it from the llama-cpp-python sources).
+                      names its binary (scripts/build_llama_server.sh builds it from the llama-cpp-python sources).
 Then, per server and mode, an open-loop replay of the Azure LLM inference trace (conversation services:
 its arrival gaps, prompt and output lengths; prompts cut from HumanEval's text to the trace's lengths, sent
 as raw completions) at --trace-rate times the request rate calid ar sustained at the sweep's top
@@ -201,7 +201,8 @@ class _peer:
                         "--host", "127.0.0.1", "--port", str(port)]
         else:
             if not llama_server or not Path(llama_server).is_file():
-                raise PeerUnavailable("no llama-server binary (--llama-server PATH; README: building it)")
+                raise PeerUnavailable("no llama-server binary (--llama-server PATH; "
+                                      "bash scripts/build_llama_server.sh builds one)")
             self.cmd = [llama_server, "-m", gguf, "-a", name, "-t", str(threads), "-tb", str(threads),
                         "-np", str(slots), "-c", str(2048 * slots), "-cb", "--host", "127.0.0.1", "--port", str(port)]
         self.port, self.peer = port, peer

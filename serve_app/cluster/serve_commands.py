@@ -46,7 +46,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant forwards on both backends (llama.cpp: exact calls of at most 3 rows; torch: "
                         "fixed-shape kernels): a request's greedy output does not depend on what shares its batch, "
-                        "at 2-2.5x less throughput under load (README: lossless and deterministic)")
+                        "at 2-2.5x less throughput under load (docs/decoding.md: lossless and deterministic)")
     p.add_argument("--api-keys-file", default=None,
                    help="require API keys: a file with one accepted key per line (clients: --api-key)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
@@ -296,7 +296,7 @@ def cmd_demo(args) -> int:
                   f"{s.get('mean_accepted', 0):>13.2f}")
         if url:
             print(f"[demo] the dashboard ({url}) shows the replicas under Serve; the calid metrics "
-                  "(README: Dashboard) under Metrics")
+                  "(docs/serving.md: Dashboard and metrics) under Metrics")
     finally:
         print("[demo] shutting down", flush=True)
         shutdown()

@@ -5,7 +5,7 @@ front-end-neutral request every front-end hands the router) and the ``Options`` 
 ``Reply`` builds the JSON objects and SSE chunks of a reply from the router's Outputs; ``WireError``
 and ``from_status`` give every refusal OpenAI's error shape and the matching HTTP status.
 
-Fields (README: "OpenAI-compatible HTTP API" has the table): the ones calid serves are translated; the
+Fields (docs/openai-api.md has the table): the ones calid serves are translated; the
 ones that change nothing here (``user``, ``metadata``, ``store``, null values, unknown names) are ignored,
 as the reference servers do; the ones whose meaning calid cannot honour (``n`` > 1, tools, a JSON
 response format, non-zero penalties, ``logit_bias``, ``suffix``, ``best_of`` > 1) are refused with a 400

@@ -6,7 +6,7 @@ public port and moves Serve's proxy to a loopback port behind it. Every
 calid.v1.Calid method is forwarded as raw bytes, with the caller's metadata
 (application, authorization, request_id), deadline, status and cancellation.
 On a cluster, terminate TLS in the load balancer in front of the head node
-instead (README: Security).
+instead (docs/serving.md: Security).
 """
 from __future__ import annotations
 
