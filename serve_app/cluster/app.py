@@ -43,17 +43,21 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     for key, c in per_model.items():
         routers.setdefault(c.served_model, []).append(_model_app(c, suffix=f"-{key}"))
         cores.setdefault(c.served_model, []).append(c.cpu_affinity or [])
-    return ModelFront.options(ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources}
+    return ModelFront.options(ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources},
+                              graceful_shutdown_timeout_s=cfg.request_timeout_s,  # its streams, as a router's
                               ).bind(cfg.model_dump(), routers, cores)
 
 
 def _model_app(cfg: AppConfig, suffix: str = ""):
     """One model's router, draft and target deployments (``suffix``: their names' in a multi-model app); with
-    ``topology: engine``, one router deployment that holds both models (serve_app.workers.colocated)."""
+    ``topology: engine``, one router deployment that holds both models (serve_app.workers.colocated).
+
+    A router replica that Serve stops (an in-place update, a downscale) finishes the streams it holds first: its
+    graceful stop may take request_timeout_s. A stop of the whole app ends them sooner (Router.drain's grace)."""
     config = cfg.model_dump()
     if cfg.topology == "engine":
         cpus = cfg.router_num_cpus + cfg.target_num_cpus + (cfg.draft_num_cpus if cfg.draft is not None else 0.0)
-        return Router.options(name="router" + suffix,
+        return Router.options(name="router" + suffix, graceful_shutdown_timeout_s=cfg.request_timeout_s,
                               ray_actor_options={"num_cpus": cpus, "num_gpus": cfg.target_num_gpus,
                                                  "resources": {**cfg.router_resources, **cfg.target_resources}},
                               ).bind(config, None, None)
@@ -75,7 +79,7 @@ def _model_app(cfg: AppConfig, suffix: str = ""):
             autoscaling_config=autoscaling_config(cfg.draft_scaling),
         ).bind(config)
     routers = cfg.router_scaling
-    return Router.options(name="router" + suffix,
+    return Router.options(name="router" + suffix, graceful_shutdown_timeout_s=cfg.request_timeout_s,
                           ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources},
                           autoscaling_config={
         "min_replicas": routers.min_replicas, "max_replicas": routers.max_replicas,
@@ -102,4 +106,10 @@ def start(cfg: AppConfig, blocking: bool = False):
     """Start Serve's gRPC proxy on ``cfg.grpc_port`` and HTTP proxy on ``cfg.http_port`` (loopback Ray assumed up)
     and run the app."""
     serve.start(grpc_options=grpc_options(cfg.grpc_port), http_options=http_options(cfg))
+    return deploy(cfg, blocking)
+
+
+def deploy(cfg: AppConfig, blocking: bool = False):
+    """Run the app under cfg.app_name on the running Serve: a first deployment, or an in-place update of one
+    (Serve replaces only the deployments whose settings changed)."""
     return serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=blocking)

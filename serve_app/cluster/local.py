@@ -185,7 +185,7 @@ def _answers(host: str, port: int) -> bool:
 
 
 _fronts: list = []  # TLS fronts started by serve_app, stopped by shutdown
-_apps: list[str] = []  # the applications serve_app deployed from this process
+_apps: dict[str, object] = {}  # name -> config (AppConfig, as deployed) of the applications serve_app deployed here
 _owned = False  # this process started the running Ray (start_ray), so shutdown ends it whole
 
 
@@ -214,15 +214,29 @@ def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True, address:
         except OSError as e:
             raise ConfigError(f"TLS: cannot read {e.filename}: {e.strerror}") from None
         url = start_ray(num_cpus, dashboard, address)
-        start(cfg.model_copy(update={"grpc_port": internal}))
-        _apps.append(cfg.app_name)
+        behind = cfg.model_copy(update={"grpc_port": internal})
+        start(behind)
+        _apps[cfg.app_name] = behind
         front.start()
         _fronts.append(front)
         return url
     url = start_ray(num_cpus, dashboard, address)
     start(cfg)
-    _apps.append(cfg.app_name)
+    _apps[cfg.app_name] = cfg
     return url
+
+
+def redeploy(cfg) -> None:
+    """Apply ``cfg`` to the application serve_app started under cfg.app_name (Serve's in-place update: only the
+    deployments whose settings changed get new replicas); returns when the new version runs. The proxies stay:
+    their ports (and TLS) are the running ones."""
+    from serve_app.cluster.app import deploy
+
+    running = _apps[cfg.app_name]
+    if cfg.tls_cert_file is not None:  # Serve's proxy listens behind the TLS front
+        cfg = cfg.model_copy(update={"grpc_port": running.grpc_port})
+    deploy(cfg)
+    _apps[cfg.app_name] = cfg
 
 
 class PortInUse(CalidError):
@@ -253,6 +267,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _end_requests(app: str) -> None:
+    """End the requests still in flight on ``app``'s routers (UNAVAILABLE), so that deleting it does not wait
+    out their graceful stop (request_timeout_s)."""
+    from ray import serve
+
+    try:
+        routers = [d for d in serve.status().applications[app].deployments if d.startswith("router")]
+        for name in routers:
+            serve.get_deployment_handle(name, app).drain.remote(0.0).result(timeout_s=5)
+    except Exception:  # an app that never came up, a router already gone: nothing of it to wait for
+        pass
+
+
 def shutdown() -> None:
     """Stop the app and Ray. On a Ray this process started, every application is deleted (its replicas stop
     gracefully) and Ray's shutdown then ends Serve's controller and proxies with the rest of the cluster:
@@ -274,8 +301,26 @@ def shutdown() -> None:
             except RayServeException:  # Serve never started here
                 apps = set()
             for name in apps if _owned else apps & set(_apps):
+                _end_requests(name)
                 serve.delete(name)
     finally:  # whatever the deletion met, Ray ends (or, joined, this process leaves it)
         _owned = False
         _apps.clear()
+        _close_handles()
         ray.shutdown()
+
+
+def _close_handles() -> None:
+    """Stop this process's Serve handles while Ray is still up. A handle that has sent a request runs a metrics
+    task on Serve's background loop; left running past ray.shutdown() it fails ("Ray has not been started yet")
+    and logs that from its thread, which at interpreter exit ends as a ``--- Logging error ---`` traceback.
+    serve.shutdown() does this first too, but it also stops the controller (see shutdown)."""
+    try:
+        from ray.serve import context
+
+        client = context._global_client  # Serve keeps no public way to reach the handles it cached
+        if client is not None:
+            client.shutdown_cached_handles()
+        context._set_global_client(None)
+    except Exception:  # another Ray version's internals: at worst the old message at exit
+        pass

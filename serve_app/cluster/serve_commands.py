@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 from calid.errors import CalidError
 from calid.models.source import served_name
 from serve_app.cluster.config import AppConfig, ConfigError, add_topology_arg, reasons
+from serve_app.cluster.config_file import changes, describe, read_config_file, refused_in_place
 
 
 def add_parsers(sub) -> None:
@@ -31,11 +33,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="SmolLM2-135M target with its first 16 layers as draft (fast to load)")
     p.add_argument("--target", default=None, help="target model spec (default: the Qwen 1.5B preset)")
     p.add_argument("--draft", default=None, help="draft model spec, self:N, or none")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port on 127.0.0.1 (default 50051)")
-    p.add_argument("--http-port", type=int, default=8000,
+    p.add_argument("--config", default=None, metavar="APP.YAML",
+                   help="the app's settings from a file (AppConfig fields, or a Serve config with one calid app; "
+                        "docs/serving.md); flags given as well override it. calid serve re-reads it on SIGHUP and "
+                        "applies what changed in place")
+    # None: not given, so that a --config file's value stands (the defaults are AppConfig's)
+    p.add_argument("--port", type=int, default=None, help="gRPC port on 127.0.0.1 (default 50051)")
+    p.add_argument("--http-port", type=int, default=None,
                    help="OpenAI-compatible HTTP API on 127.0.0.1 (default 8000; 0 turns it off)")
-    p.add_argument("--max-active", type=int, default=16, help="requests decoded at once (default 16)")
-    p.add_argument("--queue-capacity", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-active", type=int, default=None, help="requests decoded at once (default 16)")
+    p.add_argument("--queue-capacity", type=int, default=None,
+                   help="waiting requests before RESOURCE_EXHAUSTED (default 64)")
     p.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     p.add_argument("--address", default=None,
                    help="join this running Ray cluster (its GCS host:port, or 'auto' for the one `ray start` "
@@ -57,33 +65,46 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "'qwen2.5-coder-1.5b-instruct+qwen2.5-coder-0.5b-instruct,qwen2.5-coder-0.5b-instruct,"
                         "smol=smollm2-135m-instruct+self:16' (overrides --target/--draft)")
     add_topology_arg(p)
+    p.set_defaults(topology=None)  # engine unless the flag or a --config file says otherwise
     p.add_argument("--drain-grace-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long requests in flight may run before shutdown (default 30)")
 
 
 def config_from_args(args) -> AppConfig:
-    overrides = {"grpc_port": args.port, "http_port": args.http_port, "max_active": args.max_active,
-                 "queue_capacity": args.queue_capacity, "topology": getattr(args, "topology", "engine")}
-    if args.target:
-        overrides["target"] = args.target
-    if args.draft:
-        overrides["draft"] = None if args.draft == "none" else args.draft
-    if args.backend:
-        overrides["target_backend"] = overrides["draft_backend"] = args.backend
-    if args.dtype:
-        overrides["dtype"] = args.dtype
-    if getattr(args, "batch_invariant", False):
-        overrides["batch_invariant"] = True
-    if getattr(args, "api_keys_file", None):
-        overrides["api_keys_file"] = args.api_keys_file
-    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
-        overrides["tls_cert_file"], overrides["tls_key_file"] = args.tls_cert, args.tls_key
-    if getattr(args, "models", None):
-        overrides["models"] = parse_models(args.models)
+    """The app's config: AppConfig's defaults (topology engine), then the --config file's fields, then the flags
+    given."""
+    path = getattr(args, "config", None)
+    fields = read_config_file(path) if path else {}
+    fields.setdefault("topology", "engine")
+    fields.update(flag_fields(args))
     try:
-        return AppConfig.small(**overrides) if args.small else AppConfig(**overrides)
+        return AppConfig.small(**fields) if args.small else AppConfig(**fields)
     except ValidationError as e:
-        raise ConfigError(f"invalid server options: {reasons(e)}") from None
+        raise ConfigError(f"invalid server options{f' (--config {path})' if path else ''}: {reasons(e)}") from None
+
+
+def flag_fields(args) -> dict:
+    """The AppConfig fields the command line sets (those win over a --config file)."""
+    fields = {k: v for k, v in (("grpc_port", args.port), ("http_port", args.http_port),
+                                ("max_active", args.max_active), ("queue_capacity", args.queue_capacity),
+                                ("topology", getattr(args, "topology", None))) if v is not None}
+    if args.target:
+        fields["target"] = args.target
+    if args.draft:
+        fields["draft"] = None if args.draft == "none" else args.draft
+    if args.backend:
+        fields["target_backend"] = fields["draft_backend"] = args.backend
+    if args.dtype:
+        fields["dtype"] = args.dtype
+    if getattr(args, "batch_invariant", False):
+        fields["batch_invariant"] = True
+    if getattr(args, "api_keys_file", None):
+        fields["api_keys_file"] = args.api_keys_file
+    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+        fields["tls_cert_file"], fields["tls_key_file"] = args.tls_cert, args.tls_key
+    if getattr(args, "models", None):
+        fields["models"] = parse_models(args.models)
+    return fields
 
 
 def parse_models(text: str) -> list[dict]:
@@ -105,49 +126,86 @@ def parse_models(text: str) -> list[dict]:
 def cmd_serve(args) -> int:
     """Serve until SIGTERM or SIGINT, then drain: admit nothing new, let the requests in flight finish
     (at most --drain-grace-s), shut Ray down (no process left behind) and exit 0. A signal while starting (Ray,
-    the models, the app) stops at once: nothing was admitted yet, so nothing is dropped; exit 0 (130 for Ctrl-C)."""
-    from serve_app.cluster.local import serve_app, shutdown
+    the models, the app) stops at once, unless the app's proxies already took requests (they answer before the
+    start returns): those drain as above. A second signal while draining stops at once (StopNow). Exit 0 (130 for
+    Ctrl-C where it stops at once); every stop says in one line what it dropped."""
+    from serve_app.cluster.local import shutdown
 
     cfg = config_from_args(args)
-    stop, starting = threading.Event(), threading.Event()
+    stop, starting, reload = threading.Event(), threading.Event(), threading.Event()
     serving = (", ".join(f"{m.name} (target {m.target}, draft {m.draft})" for m in cfg.models) if cfg.models
                else f"target {cfg.target}, draft {cfg.draft}")
     print(f"[calid] starting Ray and the calid app ({serving}) ...", file=sys.stderr)
-    _on_signals(stop, starting)
-    starting.set()
+    _on_signals(stop, starting, reload)
     try:
         try:
-            url = serve_app(cfg, dashboard=not args.no_dashboard, address=args.address)
-        except (CalidError, StoppedWhileStarting):
-            raise
-        except SystemExit as e:  # Ray's own SIGTERM handler, in place while ray.init runs: sys.exit(signum)
-            if e.code == signal.SIGTERM:
-                raise StoppedWhileStarting("SIGTERM") from None
-            raise
-        except Exception as e:  # Ray or Serve could not start (a busy port, a proxy that died, ...)
-            raise CalidError(f"could not start the calid app: {_one_line(e)}") from None
-        finally:
-            starting.clear()
-        _on_signals(stop, starting)  # in case Ray or Serve replaced ours while starting
-        tls = " over TLS" if cfg.tls_cert_file else ""
-        print(f"[calid] serving gRPC{tls} on 127.0.0.1:{cfg.grpc_port} (app {cfg.app_name})", file=sys.stderr)
-        _print_http(cfg, "[calid]", sys.stderr)
-        if url:
-            print(f"[calid] Ray dashboard: {url}  (Serve tab: replicas; Metrics tab: calid panels)", file=sys.stderr)
-        print(f'[calid] try: calid client "Write a haiku about caches" --address 127.0.0.1:{cfg.grpc_port}; '
-              "Ctrl-C or SIGTERM stops (after draining)", file=sys.stderr)
-        while not stop.wait(3600):
-            pass
+            url = _start(cfg, args, starting)
+        except StoppedWhileStarting as e:
+            _exit_if_ray_gone()
+            left = _in_flight(cfg.app_name)  # the proxies answer before the start returns: requests may be in
+            if not left:
+                print(f"[calid] {e.name} while starting: no request had been admitted, none dropped", file=sys.stderr)
+                return 130 if e.name == "SIGINT" else 0
+            print(f"[calid] {e.name} while starting, with {left} request{'s' if left != 1 else ''} already in "
+                  "flight: draining", file=sys.stderr, flush=True)
+            stop.set()
+            _on_signals(stop, starting, reload)
+        else:
+            _on_signals(stop, starting, reload)  # in case Ray or Serve replaced ours while starting
+            _say_serving(cfg, args, url)
+            while not stop.wait(0.5):
+                if reload.is_set():
+                    reload.clear()
+                    cfg = apply_config_file(args, cfg)
         _exit_if_ray_gone()
         drain(cfg.app_name, args.drain_grace_s)
-    except StoppedWhileStarting as e:
-        print(f"[calid] {e.name} while starting: no request had been admitted, none dropped", file=sys.stderr)
+    except StopNow as e:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # stopping already: a third signal changes nothing
+            signal.signal(sig, lambda *_: print("[calid] already stopping", file=sys.stderr, flush=True))
+        _exit_if_ray_gone()
+        left = _in_flight(cfg.app_name)
+        print(f"[calid] a second {e.name}: stopping now; "
+              + ("requests in flight, if any, end UNAVAILABLE" if left is None else
+                 f"{left} request{'s' if left != 1 else ''} in flight end{'s' if left == 1 else ''} UNAVAILABLE"),
+              file=sys.stderr, flush=True)
         return 130 if e.name == "SIGINT" else 0
     finally:
         _exit_if_ray_gone()
         print("[calid] shutting down Ray", file=sys.stderr)
         shutdown()
     return 0
+
+
+def _start(cfg: AppConfig, args, starting: threading.Event) -> str | None:
+    """Start Ray, Serve and the app (the dashboard URL); a signal meanwhile raises StoppedWhileStarting."""
+    from serve_app.cluster.local import serve_app
+
+    starting.set()
+    try:
+        return serve_app(cfg, dashboard=not args.no_dashboard, address=args.address)
+    except (CalidError, StoppedWhileStarting):
+        raise
+    except SystemExit as e:  # Ray's own SIGTERM handler, in place while ray.init runs: sys.exit(signum)
+        if e.code == signal.SIGTERM:
+            raise StoppedWhileStarting("SIGTERM") from None
+        raise
+    except Exception as e:  # Ray or Serve could not start (a busy port, a proxy that died, ...)
+        raise CalidError(f"could not start the calid app: {_one_line(e)}") from None
+    finally:
+        starting.clear()
+
+
+def _say_serving(cfg: AppConfig, args, url: str | None) -> None:
+    tls = " over TLS" if cfg.tls_cert_file else ""
+    print(f"[calid] serving gRPC{tls} on 127.0.0.1:{cfg.grpc_port} (app {cfg.app_name})", file=sys.stderr)
+    _print_http(cfg, "[calid]", sys.stderr)
+    if url:
+        print(f"[calid] Ray dashboard: {url}  (Serve tab: replicas; Metrics tab: calid panels)", file=sys.stderr)
+    print(f'[calid] try: calid client "Write a haiku about caches" --address 127.0.0.1:{cfg.grpc_port}; '
+          "Ctrl-C or SIGTERM stops (after draining)", file=sys.stderr)
+    if args.config:
+        print(f"[calid] pid {os.getpid()}: after editing {args.config}, `kill -HUP {os.getpid()}` applies it in "
+              "place (requests in flight finish)", file=sys.stderr, flush=True)
 
 
 def _exit_if_ray_gone() -> None:
@@ -160,6 +218,24 @@ def _exit_if_ray_gone() -> None:
         print("[calid] the signal ended Ray's own processes too (sent to the whole process group): requests in "
               "flight, if any, were dropped; exiting", file=sys.stderr)
         abandon_ray()
+
+
+class StopNow(BaseException):
+    """A second SIGTERM or SIGINT while draining: stop without waiting for the requests in flight."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def _in_flight(app: str) -> int | None:
+    """Requests the router holds (None: it cannot say)."""
+    from ray import serve
+
+    try:
+        return serve.get_deployment_handle("router", app).stats.remote().result(timeout_s=5)["requests"]
+    except Exception:
+        return None
 
 
 class StoppedWhileStarting(BaseException):
@@ -191,20 +267,64 @@ def _print_http(cfg, tag: str, out) -> None:
           f"\"max_tokens\": 16}}'", file=out, flush=True)
 
 
-def _on_signals(stop: threading.Event, starting: threading.Event | None = None) -> None:
+def _on_signals(stop: threading.Event, starting: threading.Event | None = None,
+                reload: threading.Event | None = None) -> None:
     """SIGTERM/SIGINT: while ``starting`` is set, abort the start (StoppedWhileStarting); after, set ``stop``
-    (drain); a second signal stops draining (KeyboardInterrupt)."""
+    (drain); a second signal stops draining (StopNow). SIGHUP sets ``reload`` (re-read --config)."""
     def handler(signum, frame):
         name = signal.Signals(signum).name
         if starting is not None and starting.is_set():
             raise StoppedWhileStarting(name)
         if stop.is_set():  # a second signal: stop draining
-            raise KeyboardInterrupt
+            raise StopNow(name)
         print(f"[calid] {name}: draining", file=sys.stderr)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+    if reload is not None:
+        signal.signal(signal.SIGHUP, lambda signum, frame: reload.set())
+
+
+def apply_config_file(args, cfg: AppConfig) -> AppConfig:
+    """SIGHUP: re-read --config and apply what changed to the running app (Serve's in-place update: a router
+    replica that is replaced stops taking requests and finishes those it holds; requests that arrive meanwhile
+    wait for the new one). Returns the config now served; a file that cannot be applied is said in one line and
+    the server goes on as it was."""
+    from serve_app.cluster.local import redeploy
+
+    if not args.config:
+        print("[calid] SIGHUP: no --config file to re-read; nothing changed", file=sys.stderr, flush=True)
+        return cfg
+    try:
+        new = config_from_args(args)
+    except CalidError as e:
+        print(f"[calid] {args.config} not applied: {e}", file=sys.stderr, flush=True)
+        return cfg
+    diff = changes(cfg, new)
+    why = refused_in_place(cfg, diff)
+    if why:
+        print(f"[calid] {args.config} not applied: {why}", file=sys.stderr, flush=True)
+        return cfg
+    if not diff:
+        shadowed = sorted(set(read_config_file(args.config)) & set(flag_fields(args)))
+        print(f"[calid] {args.config} unchanged; nothing to apply"
+              + (f" ({', '.join(shadowed)}: set by flags, which win over the file)" if shadowed else ""),
+              file=sys.stderr, flush=True)
+        return cfg
+    print(f"[calid] applying {args.config}: {describe(diff)} (requests in flight finish on the replica that "
+          "holds them)", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    try:
+        redeploy(new)
+    except CalidError as e:
+        print(f"[calid] {args.config} not applied: {e}", file=sys.stderr, flush=True)
+        return cfg
+    except Exception as e:
+        print(f"[calid] {args.config} not applied: {_one_line(e)}", file=sys.stderr, flush=True)
+        return cfg
+    print(f"[calid] applied {args.config} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return new
 
 
 def drain(app: str, grace_s: float) -> int:
@@ -212,7 +332,7 @@ def drain(app: str, grace_s: float) -> int:
     from ray import serve
 
     router = serve.get_deployment_handle("router", app)
-    left = router.drain.remote().result(timeout_s=10)["requests"]
+    left = router.drain.remote(grace_s).result(timeout_s=10)["requests"]
     end = time.monotonic() + grace_s
     print(f"[calid] admitting no new requests; {left} in flight, waiting up to {grace_s:g} s", file=sys.stderr)
     while left and time.monotonic() < end:

@@ -144,6 +144,6 @@ class ModelFront:
         per = await asyncio.gather(*[r.stats.remote() for r in self.routers])
         return {"requests": sum(s["requests"] for s in per), "routers": per}
 
-    async def drain(self) -> dict:
-        per = await asyncio.gather(*[r.drain.remote() for r in self.routers])
+    async def drain(self, grace_s: float | None = None) -> dict:
+        per = await asyncio.gather(*[r.drain.remote(grace_s) for r in self.routers])
         return {"requests": sum(d["requests"] for d in per)}

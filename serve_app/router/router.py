@@ -169,11 +169,20 @@ class Router(GrpcFront):
         roles = {"target": self.target, "draft": self.draft}
         return {role: await handle.stats.remote() for role, handle in roles.items() if handle is not None}
 
-    async def drain(self) -> dict:
+    async def drain(self, grace_s: float | None = None) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not
-        serving, while the requests in flight run to the end. The caller polls stats() until none is left."""
+        serving, while the requests in flight run to the end, or for at most ``grace_s`` (None: no bound): then
+        they end UNAVAILABLE, so that Serve's graceful stop (which waits up to request_timeout_s, for the sake of
+        in-place updates) does not wait for them. The caller polls stats() until none is left."""
         self._draining = True
+        if grace_s is not None:
+            asyncio.get_running_loop().call_later(grace_s, self._end_all)
         return await self.stats()
+
+    def _end_all(self) -> None:
+        for rid in list(self._requests):
+            self._deliver_failure(rid, Failure(grpc.StatusCode.UNAVAILABLE,
+                                               "the server stopped before this request finished; send it again"))
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return {"queue_depth": float(len(self._waiting)), "active": float(len(self.orch.active)),

@@ -153,3 +153,41 @@ def test_a_signal_to_the_whole_process_group_exits_at_once():
     assert took < 20
     time.sleep(2)
     assert _alive(family) == []
+
+
+def test_a_second_signal_while_draining_stops_at_once_saying_what_was_dropped():
+    """SIGTERM drains; a second SIGTERM while a stream is still in flight stops now: one line naming the request
+    dropped (it ends UNAVAILABLE, not cut mid-air), exit 0, no Ray process left, no traceback."""
+    from calid.client import Client
+    from calid.client.errors import Unavailable
+
+    port = _free_port()
+    proc = subprocess.Popen([CALID, *SMALL, "--port", str(port), "--drain-grace-s", "600"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_user_env(), start_new_session=True)
+    outcome = []
+    try:
+        family = _serving(proc, port)
+        with Client(f"127.0.0.1:{port}", timeout=300, retries=0) as c:
+            stream = c.stream("Count to a thousand.", max_new_tokens=4000, ignore_eos=True)
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(3)  # draining: the stream goes on
+            assert next(stream).token_ids
+            proc.send_signal(signal.SIGTERM)
+            try:
+                for _ in stream:
+                    pass
+                outcome.append("finished")
+            except Unavailable as e:
+                outcome.append(str(e))
+        rc = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert rc == 0, err[-3000:]
+    assert "a second SIGTERM: stopping now; 1 request in flight ends UNAVAILABLE" in err, err[-3000:]
+    assert outcome and "stopped before this request finished" in outcome[0], outcome
+    assert "Traceback" not in err and "Logging error" not in err, err[-3000:]
+    time.sleep(2)
+    assert _alive(family) == []
