@@ -1,0 +1,79 @@
+"""calid bench soak's arithmetic: outcomes in and out of kill windows, lost tokens, memory trend, verdicts."""
+from __future__ import annotations
+
+import pytest
+
+from calid.bench.soak_report import (CUT, FAILED, REFUSED, SERVED, Record, Tally, compare, latency_windows,
+                                     parse_duration, rss_slope_pct_per_hour, verdicts)
+from calid.errors import CalidError
+
+
+def test_a_failure_counts_against_the_retry_budget_only_near_a_kill():
+    t = Tally(kills=[(100.0, "draft")])
+    t.add(Record("grpc-stream", 90, 105, FAILED, "UNAVAILABLE"))  # in flight when the replica died
+    t.add(Record("grpc-unary", 150, 151, FAILED, "UNAVAILABLE"))  # inside the 60 s after it
+    t.add(Record("grpc-unary", 300, 301, FAILED, "INTERNAL"))  # long after: a real failure
+    t.add(Record("grpc-unary", 10, 12, SERVED, tokens=16))
+    t.add(Record("burst", 20, 20.1, REFUSED, "RESOURCE_EXHAUSTED"))
+    t.add(Record("grpc-cancel", 30, 31, CUT))
+    c = t.counts(window_s=60)
+    assert (c["failed_in_kill_windows"], c["failed_outside_kill_windows"]) == (2, 1)
+    assert c["failures"] == {"grpc-stream: UNAVAILABLE": 1, "grpc-unary: UNAVAILABLE": 1, "grpc-unary: INTERNAL": 1}
+    assert (c["served"], c["tokens"], c["cut_by_client"], c["refused"]) == (1, 16, 1, {"RESOURCE_EXHAUSTED": 1})
+
+
+@pytest.mark.parametrize("got, limit, verdict", [
+    ([1, 2, 3], 3, (0, None)),  # the reference's first tokens
+    ([1, 2, 3, 4, 5], 8, (0, None)),  # ended at EOS where the reference did
+    ([1, 2], 3, (1, None)),  # one token missing
+    ([1], 8, (4, None)),  # four missing
+    ([1, 9, 3], 3, (0, 1)),  # another token at the second place: past it, nothing can be told
+    ([1, 2, 3, 4, 5, 6], 8, (0, 5)),  # one past the reference's end
+])
+def test_an_answer_against_the_reference(got, limit, verdict):
+    assert compare(got, [1, 2, 3, 4, 5], limit) == verdict
+
+
+def test_answers_that_differ_are_counted_apart_from_tokens_missing():
+    t = Tally()
+    t.add(Record("grpc-unary", 0, 1, SERVED, tokens=3, lost=2))
+    t.add(Record("grpc-stream", 0, 1, SERVED, tokens=8, differs=True))
+    c = t.counts(window_s=60)
+    assert (c["lost_tokens"], c["answers_not_identical"]) == (2, 1)
+
+
+def test_rss_slope_is_percent_of_the_mean_per_hour_after_the_warm_up():
+    flat = [(t, 100e6) for t in range(0, 600, 5)]
+    assert rss_slope_pct_per_hour(flat) == pytest.approx(0.0)
+    # warm-up growth, then flat: skipping the warm-up says flat
+    warm = [(t, 50e6 + 1e6 * t) for t in range(0, 50, 5)] + [(t, 100e6) for t in range(50, 600, 5)]
+    assert rss_slope_pct_per_hour(warm, skip_s=60) == pytest.approx(0.0)
+    # 1 MB a minute on 100 MB: 60% an hour
+    leak = [(t, 100e6 + 1e6 * t / 60) for t in range(0, 600, 5)]
+    assert rss_slope_pct_per_hour(leak) == pytest.approx(60 / 1.05, rel=0.01)
+    assert rss_slope_pct_per_hour(flat[:3]) is None and rss_slope_pct_per_hour(flat[:10]) is None  # too short
+
+
+def test_latency_early_and_late():
+    records = [Record("grpc-unary", t, t + (1 if t < 50 else 3), SERVED) for t in range(0, 100, 2)]
+    w = latency_windows(records, duration_s=100, window_s=30)
+    assert (w["first"]["p50_s"], w["last"]["p50_s"], w["first"]["requests"]) == (1, 3, 15)
+
+
+def test_verdicts_name_every_problem():
+    ok = {"failed_outside_kill_windows": 0, "failures": {}, "lost_tokens": 0}
+    assert verdicts(ok, {"target[1]": 1.0, "draft[2]": None}, {"active": 0}, 5.0) == []
+    bad = verdicts({**ok, "lost_tokens": 3}, {"target[1]": 7.5}, {"active": 0, "target_kv": 2}, 5.0)
+    assert bad == ["3 tokens missing from completed greedy answers",
+                   "target[1]: RSS grows 7.5% per hour (limit 5%)", "not back to idle at the end: {'target_kv': 2}"]
+
+
+@pytest.mark.parametrize("text, seconds", [("90s", 90), ("30m", 1800), ("2h", 7200), ("45", 45), ("0", 0)])
+def test_durations(text, seconds):
+    assert parse_duration(text, "duration") == seconds
+
+
+@pytest.mark.parametrize("text", ["soon", "-5m", "m"])
+def test_a_bad_duration_names_the_flag(text):
+    with pytest.raises(CalidError, match="--kill-every"):
+        parse_duration(text, "kill_every")
