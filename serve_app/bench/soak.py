@@ -145,7 +145,7 @@ class _Soak:
             stop.set()
             sampler.join(30)
         return {"tally": self.tally, "samples": self.samples, "rss": self.rss, "idle": idle,
-                "mismatches": self.mismatches,
+                "mismatches": self.mismatches, "kill_window_s": self.plan["kill_window"],
                 "duration_s": self.plan["duration"], "step_ms": self.step_ms, "cfg": self.cfg}
 
     # ---- traffic ---------------------------------------------------------------------------------
@@ -470,7 +470,7 @@ def _report(result: dict, args) -> int:
     from calid.bench.soak_report import latency_windows, rss_slope_pct_per_hour, verdicts
 
     tally, duration = result["tally"], result["duration_s"]
-    counts = tally.counts(parse_window(args))
+    counts = tally.counts(result["kill_window_s"])
     skip = max(60.0, 0.1 * duration)
     judged_life = max(600.0, duration / 3)  # a process judged on less shows its warm-up (KV pages touched late)
     slopes, lives = {}, {}
@@ -512,12 +512,6 @@ def _report(result: dict, args) -> int:
     png = _plot(result, out / f"soak-{stamp}.png")
     print(f"written: {out / f'soak-{stamp}.json'}" + (f", {png}" if png else ""))
     return 0 if not bad else 1
-
-
-def parse_window(args) -> float:
-    from calid.bench.soak_report import parse_duration
-
-    return parse_duration(args.kill_window, "kill_window")
 
 
 def _s(x) -> str:

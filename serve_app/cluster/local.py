@@ -272,10 +272,9 @@ def _end_requests(app: str) -> None:
     out their graceful stop (request_timeout_s)."""
     from ray import serve
 
-    try:
-        routers = [d for d in serve.status().applications[app].deployments if d.startswith("router")]
-        for name in routers:
-            serve.get_deployment_handle(name, app).drain.remote(0.0).result(timeout_s=5)
+    try:  # "router" is the app's ingress: a model's router, or the multi-model front that drains every router
+        if "router" in serve.status().applications[app].deployments:
+            serve.get_deployment_handle("router", app).drain.remote(0.0).result(timeout_s=5)
     except Exception:  # an app that never came up, a router already gone: nothing of it to wait for
         pass
 
