@@ -224,8 +224,6 @@ class AppConfig(BaseModel):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"models: names must be unique, got {names}")
-        if self.models and self.tls_cert_file is not None:
-            raise ValueError("models: a multi-model app is served without TLS in this version")
         if not self.route_prefix.startswith("/"):
             raise ValueError(f"route_prefix must start with /, got {self.route_prefix!r}")
         if self.dtype not in ("auto", "fp32", "bf16"):

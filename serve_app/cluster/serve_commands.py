@@ -252,16 +252,14 @@ def _print_http(cfg, tag: str, out) -> None:
 
     url = base_url(cfg)
     if cfg.models:
-        names = ", ".join(m.name for m in cfg.models)
-        print(f"{tag} models: {names}; gRPC only (the OpenAI HTTP API serves single-model apps); try: calid client "
+        print(f"{tag} models: {', '.join(m.name for m in cfg.models)} (requests name theirs); gRPC: calid client "
               f"\"Say hi\" --model {cfg.models[0].name} --address 127.0.0.1:{cfg.grpc_port}", file=out, flush=True)
-        return
     if url is None:
         print(f"{tag} HTTP API off (--http-port 0)", file=out, flush=True)
         return
-    model = served_name(cfg.target)
-    print(f"{tag} OpenAI-compatible API: {url}  (model {model!r}; any openai/LangChain client with base_url={url})",
-          file=out, flush=True)
+    model = cfg.models[0].name if cfg.models else served_name(cfg.target)
+    print(f"{tag} OpenAI-compatible API: {url}  (model {model!r}{' and the others' if cfg.models else ''}; any "
+          f"openai/LangChain client with base_url={url})", file=out, flush=True)
     print(f"{tag} try: curl -s {url}/chat/completions -H 'Content-Type: application/json' -d "
           f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Say hi\"}}], "
           f"\"max_tokens\": 16}}'", file=out, flush=True)

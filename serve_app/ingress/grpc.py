@@ -96,6 +96,21 @@ class GrpcFront:
         except RequestRefused:
             yield ctx.code, ctx.details
 
+    async def http_forwarded(self, method: str, path: str, headers: list, body: bytes):
+        """An HTTP request as the multi-model front received it, its body read: the response's (status,
+        headers) first, then its body in parts as this router sends them (each SSE event as it comes)."""
+        from starlette.responses import StreamingResponse
+
+        from serve_app.ingress.multi_model_http import replayed
+
+        response = await self.__call__(replayed(method, path, headers, body))
+        yield response.status_code, list(response.raw_headers)
+        if isinstance(response, StreamingResponse):
+            async for part in response.body_iterator:
+                yield part if isinstance(part, bytes) else part.encode()
+        else:
+            yield response.body
+
     # ---- the OpenAI-compatible HTTP front-end (Serve's HTTP proxy calls this) ---------------------
 
     async def __call__(self, request):

@@ -44,7 +44,7 @@ class ModelFront:
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         self.models = {name: list(range(a, a + n)) for name, a, n in zip(routers, starts, sizes)}
         self.default = next(iter(routers))
-        self._in_flight = [0] * len(self.routers)  # Generate / GenerateStream calls at each router now
+        self.in_flight = [0] * len(self.routers)  # calls (gRPC and HTTP) at each router now
         self._cores = [frozenset(group) for name in routers for group in cores[name]]  # each router's, in order
 
     def _router(self, model: str, grpc_context) -> int | None:
@@ -56,7 +56,16 @@ class ModelFront:
             set_grpc_status(grpc_context, Refused(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here "
                                                   f"(served: {', '.join(self.models)})"))
             return None
-        return least_loaded(group, self._in_flight, self._cores)
+        return least_loaded(group, self.in_flight, self._cores)
+
+    def pick(self, model: str) -> int:
+        """As _router for an HTTP request: the router's index, or a 404 naming the served models."""
+        from serve_app.ingress.openai_wire import WireError
+
+        group = self.models.get(model or self.default)
+        if group is None:
+            raise WireError(404, f"model {model!r} is not served here (served: {', '.join(self.models)})", "model")
+        return least_loaded(group, self.in_flight, self._cores)
 
     async def _forward(self, router, method: str, request, grpc_context, empty):
         reply, code, details = await router.forwarded.remote(method, request, _metadata(grpc_context))
@@ -71,17 +80,17 @@ class ModelFront:
         i = self._router(request.model, grpc_context)
         if i is None:
             return pb.GenerateResponse()
-        self._in_flight[i] += 1
+        self.in_flight[i] += 1
         try:
             return await self._forward(self.routers[i], "Generate", request, grpc_context, pb.GenerateResponse())
         finally:
-            self._in_flight[i] -= 1
+            self.in_flight[i] -= 1
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
         i = self._router(request.model, grpc_context)
         if i is None:
             raise RequestRefused(f"model {request.model!r} is not served here")
-        self._in_flight[i] += 1
+        self.in_flight[i] += 1
         try:
             stream = self.routers[i].options(stream=True).forwarded_stream.remote(request, _metadata(grpc_context))
             async for item in stream:
@@ -90,7 +99,7 @@ class ModelFront:
                     raise RequestRefused(item[1])
                 yield item
         finally:
-            self._in_flight[i] -= 1
+            self.in_flight[i] -= 1
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context=None) -> pb.ListModelsResponse:
         """Every model's target (served_as: the name requests use) and draft, the first model's modes at the
@@ -132,12 +141,12 @@ class ModelFront:
     # ---- what serve_app.cluster.serve_commands and the tests ask of "router" --------------------------------
 
     async def __call__(self, request):
-        from starlette.responses import JSONResponse
+        """The OpenAI HTTP API of every model (serve_app.ingress.multi_model_http)."""
+        from serve_app.ingress import multi_model_http, openai_http
 
-        return JSONResponse({"error": {"message": "the OpenAI HTTP API is served by single-model apps in this "
-                                       "version; call this multi-model app over gRPC, naming the model "
-                                       f"({', '.join(self.models)})", "type": "invalid_request_error",
-                                       "code": "multi_model_http"}}, status_code=501)
+        if not self.cfg.http_port:
+            return openai_http.off()
+        return await multi_model_http.handle(self, request)
 
     async def stats(self) -> dict:
         """Every router's stats, and the request count summed (serve_app.cluster.serve_commands.drain polls it)."""

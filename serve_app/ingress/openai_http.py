@@ -32,35 +32,35 @@ JSON_OVERHEAD = 4  # a JSON body may be this many times the request's protobuf s
 
 
 async def handle(router, request) -> Response:
-    path = _route(request.scope)
+    path = route(request.scope)
     try:
         if path in ("/health", "/v1/health") and request.method == "GET":
             h = router.health()
             return JSONResponse({"status": "ok" if h["serving"] else "draining", **h},
                                 status_code=200 if h["serving"] else 503)
-        route = ROUTES.get(path)
-        if route is None:
+        endpoint = ROUTES.get(path)
+        if endpoint is None:
             raise wire.WireError(404, f"no route {path}; see /v1/models, /v1/chat/completions, /v1/completions")
-        method, fn = route
+        method, fn = endpoint
         if request.method != method:
             raise wire.WireError(405, f"{path} takes {method}, not {request.method}")
         caller = Caller(_bearer(request.headers.get("authorization")), "http")
         router.authorize(caller, "default")  # before the body is read
         return await fn(router, request, caller)
     except wire.WireError as e:
-        return _error(e)
+        return error_response(e)
     except Refused as e:
-        return _error(wire.from_status(e.code, e.message, e.retry_after_s))
+        return error_response(wire.from_status(e.code, e.message, e.retry_after_s))
     except Exception:  # a bug: say so without details, log them
         log.exception("calid http: %s %s failed", request.method, path)
-        return _error(wire.WireError(500, "internal error (logged by the server)"))
+        return error_response(wire.WireError(500, "internal error (logged by the server)"))
 
 
 def off() -> Response:
-    return _error(wire.WireError(404, "the HTTP API is off on this server (http_port: 0); use gRPC"))
+    return error_response(wire.WireError(404, "the HTTP API is off on this server (http_port: 0); use gRPC"))
 
 
-def _route(scope) -> str:
+def route(scope) -> str:
     path, root = scope.get("path", "/"), scope.get("root_path", "")
     if root and path.startswith(root):
         path = path[len(root):]
@@ -72,15 +72,18 @@ def _bearer(header: str | None) -> str | None:
     return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
-def _error(e: wire.WireError) -> JSONResponse:
+def error_response(e: wire.WireError) -> JSONResponse:
     headers = {"Retry-After": str(max(1, round(e.retry_after_s)))} if e.retry_after_s else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 async def _body(router, request) -> dict:
-    """The JSON body, refused with 413 when it is over the limit: by Content-Length before reading, else
+    return wire.parse_json(await read_body(router.cfg.max_request_bytes * JSON_OVERHEAD, request))
+
+
+async def read_body(limit: int, request) -> bytes:
+    """The body, refused with 413 when it is over ``limit`` bytes: by Content-Length before reading, else
     while reading (never held whole)."""
-    limit = router.cfg.max_request_bytes * JSON_OVERHEAD
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise wire.WireError(413, f"request body is {declared} bytes, over the server's limit of {limit}")
@@ -90,7 +93,7 @@ async def _body(router, request) -> dict:
         if size > limit:
             raise wire.WireError(413, f"request body is over the server's limit of {limit} bytes")
         parts.append(part)
-    return wire.parse_json(b"".join(parts))
+    return b"".join(parts)
 
 
 # ---- endpoints ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from calid.client import Client, Unavailable
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 
 CALID = str(Path(sys.executable).with_name("calid"))
+MODEL = "smollm2-135m-instruct"
 
 
 def _free_port() -> int:
@@ -62,7 +63,8 @@ def _alive(pids: list[int]) -> list[str]:
 
 
 def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
-    """Served over TLS (the front of serve_app.ingress.tls), so the whole path is the one an operator runs."""
+    """Two models served over TLS (the front of serve_app.ingress.tls) and over HTTP through the multi-model
+    front, so the whole path is the one an operator runs."""
     cert, key = self_signed
     tls = str(cert)
     port, http_port = _free_port(), _free_port()
@@ -70,9 +72,8 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
         [
             CALID,
             "serve",
-            "--small",
-            "--draft",
-            "none",
+            "--models",
+            f"small={MODEL},other={MODEL}",
             "--port",
             str(port),
             "--no-dashboard",
@@ -104,7 +105,8 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
         def stream(i):
             with Client(f"localhost:{port}", timeout=300, tls=tls) as c:
                 ids, started = [], False
-                for chunk in c.stream(f"Count from {i} to {i + 40}.", max_new_tokens=40, ignore_eos=True):
+                for chunk in c.stream(f"Count from {i} to {i + 40}.", max_new_tokens=40, ignore_eos=True,
+                                      model=("small", "other")[i % 2]):
                     ids += chunk.token_ids
                     if not started:
                         started = True
@@ -114,7 +116,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
         def http_stream():  # the same drain holds for the OpenAI front-end
             with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=300) as c:
                 started = False
-                for chunk in c.completions.create(model="smollm2-135m-instruct", prompt="Count to fifty:",
+                for chunk in c.completions.create(model="other", prompt="Count to fifty:",
                                                   max_tokens=40, stream=True, extra_body={"ignore_eos": True},
                                                   stream_options={"include_usage": True}):
                     if chunk.usage is not None:

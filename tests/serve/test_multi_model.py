@@ -1,6 +1,6 @@
-"""Several models in one app (AppConfig.models) on the session's real Ray, over real gRPC: requests reach the
-model they name, an unknown name is NOT_FOUND, ListModels lists every model, and one model's full queue
-refuses its own requests only."""
+"""Several models in one app (AppConfig.models) on the session's real Ray, over real gRPC and the OpenAI HTTP API
+(the openai SDK): requests reach the model they name, an unknown name is NOT_FOUND (404), every model is listed,
+and one model's full queue refuses its own requests only."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,7 @@ import threading
 
 import grpc
 import httpx
+import openai
 import pytest
 
 from calid.client import Client, NotFound, ResourceExhausted
@@ -18,6 +19,8 @@ from serve_helpers import deploy, handle, wait_until
 pytestmark = [pytest.mark.ray, pytest.mark.model]
 
 APP = "multi"
+HI = [{"role": "user", "content": "hi"}]
+COLOR = [{"role": "user", "content": "Name a color."}]
 CORE = min(os.sched_getaffinity(0))
 OTHER = max(os.sched_getaffinity(0))  # CORE again on a one-core machine
 
@@ -31,6 +34,12 @@ def multi_app(serve_port):
         {"name": "busy", "target": TEST_MODEL, "max_active": 1, "queue_capacity": 0, "placement": [[CORE]]},
     ])
     return deploy(cfg)
+
+
+@pytest.fixture()
+def oai(multi_app, http_port):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/{APP}/v1", api_key="unused", max_retries=0,
+                         timeout=300)
 
 
 @pytest.fixture()
@@ -81,7 +90,7 @@ def test_invalid_requests_keep_their_status_through_the_front(mclient):
         mclient.generate("hi", model="plain", max_new_tokens=4, min_agreement=0.9)  # plain has no draft
 
 
-def test_one_models_full_queue_refuses_only_its_own_requests(mclient):
+def test_one_models_full_queue_refuses_only_its_own_requests(mclient, oai):
     done = {}
     long = threading.Thread(target=lambda: done.setdefault(
         "out", mclient.generate("Count from one to one hundred.", model="busy", max_new_tokens=160,
@@ -91,19 +100,51 @@ def test_one_models_full_queue_refuses_only_its_own_requests(mclient):
         assert wait_until(lambda: _stats("busy")["active"] == 1, timeout_s=60)
         with pytest.raises(ResourceExhausted, match="admission queue is full"):
             mclient.generate("hi", model="busy", max_new_tokens=4)
+        with pytest.raises(openai.RateLimitError):  # over HTTP as well
+            oai.chat.completions.create(model="busy", messages=HI, max_tokens=4)
         other = mclient.generate("Name a color.", model="plain", max_new_tokens=6)  # another model still serves
         assert len(other.token_ids) > 0
+        assert oai.chat.completions.create(model="plain", messages=HI, max_tokens=4).choices[0].message.content
     finally:
         long.join(timeout=300)
     assert len(done["out"].token_ids) == 160
 
 
-def test_health_sums_the_models_and_http_says_to_use_grpc(mclient, http_port):
+def test_health_sums_the_models(mclient, http_port):
     h = mclient.health()
     assert h.serving and h.queue_capacity == 64 + 2 * 64 + 0  # smol, plain's two routers, busy
-    r = httpx.post(f"http://127.0.0.1:{http_port}/{APP}/v1/chat/completions",
-                   json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
-    assert r.status_code == 501 and "gRPC" in r.json()["error"]["message"]
+    r = httpx.get(f"http://127.0.0.1:{http_port}/{APP}/health", timeout=30)
+    assert r.status_code == 200 and set(r.json()["models"]) == {"smol", "plain", "busy"}
+
+
+def test_every_model_is_listed_and_answered_by_name_over_the_openai_api(oai, mclient, http_port):
+    assert [m.id for m in oai.models.list().data] == ["smol", "plain", "busy"]
+    for model in ("smol", "plain", "busy"):  # greedy: the same answer as the same request over gRPC
+        r = oai.chat.completions.create(model=model, messages=COLOR, max_tokens=6, temperature=0)
+        want = mclient.generate(COLOR[0]["content"], model=model, max_new_tokens=6)
+        assert r.model == model and r.choices[0].message.content == want.text
+        assert r.usage.completion_tokens == len(want.token_ids)
+    chunks = list(oai.chat.completions.create(model="smol", messages=COLOR, max_tokens=6, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == mclient.generate(COLOR[0]["content"], model="smol", max_new_tokens=6).text
+    assert chunks[-1].usage.completion_tokens > 0
+    r = oai.completions.create(model="plain", prompt="1, 2, 3,", max_tokens=4, logprobs=1, temperature=0)
+    assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens
+    tok = httpx.post(f"http://127.0.0.1:{http_port}/{APP}/tokenize", json={"model": "busy", "prompt": "hi"},
+                     timeout=30).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+
+
+def test_an_unknown_model_over_http_is_a_404_naming_the_served_ones(oai, http_port):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="nope", messages=HI, max_tokens=4)
+    assert "served: smol, plain, busy" in e.value.body["message"] and e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError):  # the model named, its router says what is wrong
+        oai.chat.completions.create(model="plain", messages=[], max_tokens=4)
+    r = httpx.post(f"http://127.0.0.1:{http_port}/{APP}/v1/chat/completions", content=b'{"model": ',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
 
 
 def test_collaborate_is_refused_with_unimplemented(multi_app):
@@ -148,7 +189,7 @@ def test_a_request_goes_to_the_replica_whose_core_no_other_model_is_busy_on(mcli
     assert after[0] == before[0] and after[1] > before[1], f"steps before {before}, after {after}"
 
 
-def test_draining_the_front_drains_every_model(mclient):  # last: the app admits nothing afterwards
+def test_draining_the_front_drains_every_model(mclient, http_port):  # last: the app admits nothing afterwards
     from calid.client import Unavailable
 
     front = handle(APP, "router")
@@ -158,3 +199,4 @@ def test_draining_the_front_drains_every_model(mclient):  # last: the app admits
         with pytest.raises(Unavailable, match="shutting down"):
             mclient.generate("hi", model=model, max_new_tokens=2)
     assert not mclient.health().serving
+    assert httpx.get(f"http://127.0.0.1:{http_port}/{APP}/health", timeout=30).status_code == 503
