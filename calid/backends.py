@@ -14,6 +14,7 @@ EOS ids. The rules (``pick_backend``, ``pick_dtype``):
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -50,9 +51,13 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_summary() -> str:
     """The CPU facts a benchmark prints beside its numbers."""
-    flags = cpu_flags()
+    info, flags = _cpuinfo(), cpu_flags()
     wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-    return "cpu flags: " + (" ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted))
+    kind = info.get("model name", "unknown cpu")
+    if "cpu family" in info and "model" in info:  # the generation: the same name covers 3x apart in step time
+        kind += f" (family {info['cpu family']} model {info['model']})"
+    return (f"{kind}, {os.cpu_count()} cores, cpu flags: "
+            + (" ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted)))
 
 
 def cpu_identity() -> str:

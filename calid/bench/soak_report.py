@@ -20,6 +20,7 @@ class Record:
     tokens: int = 0
     lost: int = 0  # tokens a completed greedy answer is missing: it is the reference's beginning, but short
     differs: bool = False  # a completed greedy answer that is not the reference's (another token somewhere)
+    wrong: bool = False  # ... and where it first differs, the target's own choice was not a near-tie
     ttft_s: float | None = None
 
 
@@ -50,22 +51,49 @@ class Tally:
             "failures": dict(Counter(f"{r.kind}: {r.reason}" for r in failed)),
             "lost_tokens": sum(r.lost for r in served),
             "answers_not_identical": sum(r.differs for r in served),
+            "not_identical_past_a_near_tie": sum(r.wrong for r in served),
             "by_kind": dict(Counter(r.kind for r in self.records)),
         }
 
 
-def compare(got: list[int], reference: list[int], limit: int) -> tuple[int, int | None]:
+def compare(got: list[int], reference: list[int], limit: int, eos: bool = False) -> tuple[int, int | None]:
     """A completed greedy answer of at most ``limit`` tokens against the reference answer (decoded alone, with a
     limit at least as long): (tokens missing, where it first differs). Missing: it is the reference's beginning
-    but stops short. Differs: another token at that position (or one past the reference's end); past it, what
-    is missing cannot be told."""
+    but stops short without having chosen to (``eos``: it ended on an EOS, a choice that differs where the
+    reference went on). Differs: another token at that position (or one past the reference's end); past it,
+    what is missing cannot be told."""
     want = reference[:limit]
     for k, (a, b) in enumerate(zip(got, want)):
         if a != b:
             return 0, k
     if len(got) > len(want):
         return 0, len(want)
+    if len(got) < len(want) and eos:
+        return 0, len(got)
     return len(want) - len(got), None
+
+
+# Two candidates the target scores this close (in nats) are a tie that a batch's rounding may flip: llama.cpp sums
+# a row in another order when other streams share its call (a 2.5-minute soak on SmolLM2 saw a flip at 0.2 nats
+# of its batched forwards); corrupted state picks tokens far from the target's first two, not its runner-up
+NEAR_TIE_NATS = 0.5
+
+
+def tie_margin(top: list[tuple[int, float]], taken: int | None) -> float | None:
+    """How close a greedy choice was where an answer took another token than the reference: the reference's
+    top logprob at that position (``top``: (token, logprob), most likely first) minus the logprob of the token
+    taken instead, or minus the runner-up's when that token is not known (an HTTP answer's text, an EOS). None
+    when the token taken is not among the reference's alternatives: no tie at all."""
+    if len(top) < 2:
+        return None
+    if taken is None:
+        return top[0][1] - top[1][1]
+    lp = dict(top).get(taken)
+    return None if lp is None else top[0][1] - lp
+
+
+def is_near_tie(margin: float | None) -> bool:
+    return margin is not None and margin <= NEAR_TIE_NATS
 
 
 def rss_slope_pct_per_hour(samples: list[tuple[float, float]], skip_s: float = 0.0) -> float | None:
@@ -103,6 +131,9 @@ def verdicts(counts: dict, slopes: dict[str, float | None], idle: dict, max_slop
                    f"{counts['failures']}")
     if counts["lost_tokens"]:
         bad.append(f"{counts['lost_tokens']} tokens missing from completed greedy answers")
+    if counts["not_identical_past_a_near_tie"]:
+        bad.append(f"{counts['not_identical_past_a_near_tie']} completed greedy answers differ from the reference "
+                   f"where the target's choice was not a near-tie (> {NEAR_TIE_NATS} nats)")
     for proc, slope in slopes.items():
         if slope is not None and slope >= max_slope_pct:
             bad.append(f"{proc}: RSS grows {slope:.1f}% per hour (limit {max_slope_pct:g}%)")

@@ -19,7 +19,7 @@ opens a TLS channel.
 """
 from calid.client.errors import (CalidAPIError, Cancelled, DeadlineExceeded, InvalidArgument, NotFound,
                                  ResourceExhausted, Unauthenticated, Unavailable)
-from calid.client.sdk import AsyncClient, Chunk, Client, Completion
+from calid.client.sdk import AsyncClient, Chunk, Client, Completion, Logprob
 
-__all__ = ["Client", "AsyncClient", "Completion", "Chunk", "CalidAPIError", "InvalidArgument", "ResourceExhausted",
-           "DeadlineExceeded", "Cancelled", "Unavailable", "Unauthenticated", "NotFound"]
+__all__ = ["Client", "AsyncClient", "Completion", "Chunk", "Logprob", "CalidAPIError", "InvalidArgument",
+           "ResourceExhausted", "DeadlineExceeded", "Cancelled", "Unavailable", "Unauthenticated", "NotFound"]

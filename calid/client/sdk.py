@@ -21,12 +21,22 @@ CANCEL_TIMEOUT_S = 5.0
 
 
 @dataclass
+class Logprob:
+    """One output token's log-probability under the target and, most likely first, its top alternatives
+    (token id, logprob): what a request with ``logprobs=N`` gets for each token."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class Completion:
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: str
     stats: dict = field(default_factory=dict)
+    logprobs: list[Logprob] = field(default_factory=list)  # with logprobs=N: one per token_ids entry
 
 
 @dataclass
@@ -36,6 +46,7 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str = ""  # set on the last chunk
     stats: dict = field(default_factory=dict)  # set on the last chunk
+    logprobs: list[Logprob] = field(default_factory=list)  # with logprobs=N: one per token_ids entry
 
 
 def _stats(msg) -> dict:
@@ -61,13 +72,18 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     return msg
 
 
+def _logprobs(entries) -> list[Logprob]:
+    return [Logprob(e.token_id, e.logprob, [(a.token_id, a.logprob) for a in e.top]) for e in entries]
+
+
 def _completion(resp: pb.GenerateResponse) -> Completion:
-    return Completion(resp.request_id, resp.text, list(resp.token_ids), resp.finish_reason, _stats(resp.stats))
+    return Completion(resp.request_id, resp.text, list(resp.token_ids), resp.finish_reason, _stats(resp.stats),
+                      _logprobs(resp.logprobs))
 
 
 def _chunk(c: pb.GenerateChunk) -> Chunk:
     return Chunk(c.request_id, c.text, list(c.token_ids), c.finish_reason,
-                 _stats(c.stats) if c.finish_reason else {})
+                 _stats(c.stats) if c.finish_reason else {}, _logprobs(c.logprobs))
 
 
 def _edge_chunk(reply: pb.CollaborateReply) -> Chunk | None:
@@ -79,11 +95,12 @@ def _edge_chunk(reply: pb.CollaborateReply) -> Chunk | None:
 
 
 def _collect(chunks) -> Completion:
-    parts, ids, last = [], [], None
+    parts, ids, logprobs, last = [], [], [], None
     for last in chunks:
         parts.append(last.text)
         ids += last.token_ids
-    return Completion(last.request_id, "".join(parts), ids, last.finish_reason, last.stats)
+        logprobs += last.logprobs
+    return Completion(last.request_id, "".join(parts), ids, last.finish_reason, last.stats, logprobs)
 
 
 def _ended_early(request_id: str) -> CalidAPIError:

@@ -5,12 +5,16 @@ streaming and not, in every mode, of short, medium and long answers; streams the
 (gRPC cancels, HTTP disconnects); bad requests; and now and then a burst over the admission limit. Every few
 minutes a draft replica, then a target replica, is killed (topology split; with engine, the router replica).
 Every completed greedy answer is checked token for token against the reference decoded alone before the soak
-(the server runs batch-invariant forwards, meant to make the reference hold at any load; answers that differ are
-counted and shown, apart from tokens missing; --no-exact turns the forwards and the check off). Every
---sample-every, each process's RSS and the router's queue / active / KV gauges are recorded. At the end: served,
-refused by reason, failed in and outside the kill windows, tokens missing from completed answers, answers not
-identical to the reference, each process's RSS slope in % and MB per hour, the gauges back at zero, latency
-p50/p99 early against late; a PNG of the gauges and of RSS over time, and a JSON of everything.
+(the server runs batch-invariant forwards, meant to make the reference hold at any load; --no-exact turns the
+forwards and the check off). An answer that differs is kept with the target's margin where it first differs
+(the reference's top logprob minus the token taken instead, from the reference's logprobs): within
+NEAR_TIE_NATS it is a near-tie a batch's rounding can flip; farther, or a token outside the target's top two, it
+is counted as wrong (what lost or corrupted state would do), apart from tokens missing. Every --sample-every,
+each process's RSS (and its private anonymous part) and the router's queue / active / KV gauges are recorded.
+At the end: served, refused by reason, failed in and outside the kill windows, tokens missing, answers not
+identical to the reference (and of them, not at a near-tie), each process's RSS slope in % and MB per hour,
+the gauges back at zero, latency p50/p99 early against late; a PNG of the gauges and of RSS over time, and a
+JSON of everything.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ DEFAULT_MODES = ("ar", "speculative", "tree", "lookahead", "auto", "filter")
 LENGTHS = (16, 64, 160)  # max_new_tokens of a request: short, medium, long
 MIX = {"grpc-stream": 30, "grpc-unary": 15, "http-stream": 15, "http-unary": 10, "grpc-cancel": 10,
        "http-disconnect": 10, "bad-request": 10}  # what a user sends next, by weight
+JUDGED_LIFE_S = 600.0  # a process's memory is judged on at least this long after its warm-up
 RETRY_AFTER_S = 1.0  # a user refused for a full server waits this long before its next request
 
 
@@ -82,9 +87,9 @@ def run(args) -> int:
         soak = _Soak(cfg, args, plan)
         soak.references()
         result = soak.run()
+        return _report(result, args)  # written before the server stops: however the stop goes, nothing is lost
     finally:
         shutdown()
-    return _report(result, args)
 
 
 class _Soak:
@@ -97,14 +102,17 @@ class _Soak:
         self.cfg, self.args, self.plan = cfg, args, plan
         self.address = f"127.0.0.1:{cfg.grpc_port}"
         self.base_url = f"http://127.0.0.1:{cfg.http_port}/v1"
+        self.detokenize_url = f"http://127.0.0.1:{cfg.http_port}/detokenize"
         self.router = serve.get_deployment_handle("router", cfg.app_name)
         self.modes = [m for m in DEFAULT_MODES if cfg.draft is not None or m in ("ar", "lookahead", "auto")]
         self.prompts = mixed_prompts(args.prompts)
-        self.refs: dict[tuple[int, str], tuple[list[int], str]] = {}  # (prompt, ar | filter) -> ids, text
+        # (prompt, ar | filter) -> ids, text, and at each position the target's top two (token, logprob)
+        self.refs: dict[tuple[int, str], tuple[list[int], str, list[list[tuple[int, float]]]]] = {}
         self.tally = Tally()
         self.samples: list[dict] = []
         self.mismatches: list[dict] = []  # completed greedy answers that are not the reference's, and where
         self.rss: dict[str, list[tuple[float, float]]] = {}  # "role[pid]" -> (t, bytes)
+        self.anon: dict[str, list[tuple[float, float]]] = {}  # the same, of private anonymous memory only
         self.rng = random.Random(args.seed)
         self.t0 = 0.0
         self.step_ms: float | None = None
@@ -118,20 +126,18 @@ class _Soak:
         from calid.progress import progress
 
         classes = ["ar"] + (["filter"] if "filter" in self.modes else [])
-        ar_s, ar_tokens = 0.0, 0
         with Client(self.address, app=self.cfg.app_name, timeout=1800) as c, \
                 progress(len(self.prompts) * len(classes), "bench soak", "reference") as bar:
             for i, prompt in enumerate(self.prompts):
-                for mode in classes:
-                    t = time.perf_counter()
-                    done = c.generate(prompt, mode=mode, max_new_tokens=max(LENGTHS))
-                    if mode == "ar":
-                        ar_s, ar_tokens = ar_s + time.perf_counter() - t, ar_tokens + len(done.token_ids)
-                    self.refs[i, mode] = (done.token_ids, done.text)
+                for mode in classes:  # with the target's top two at each position: where a difference is a tie
+                    done = c.generate(prompt, mode=mode, max_new_tokens=max(LENGTHS), logprobs=2)
+                    self.refs[i, mode] = (done.token_ids, done.text, [lp.top for lp in done.logprobs])
                     bar.update(1)
-        self.step_ms = 1000 * ar_s / max(1, ar_tokens)
+            t = time.perf_counter()  # the plain step, as users' requests (no logprobs) get it
+            done = c.generate(self.prompts[0], mode="ar", max_new_tokens=max(LENGTHS))
+        self.step_ms = 1000 * (time.perf_counter() - t) / max(1, len(done.token_ids))
         print(f"bench soak: ar alone, served: {self.step_ms:.1f} ms per output token (prefill included; "
-              f"{ar_tokens} tokens)", file=sys.stderr)
+              f"{len(done.token_ids)} tokens)", file=sys.stderr)
 
     def run(self) -> dict:
         stop = threading.Event()
@@ -144,7 +150,7 @@ class _Soak:
         finally:
             stop.set()
             sampler.join(30)
-        return {"tally": self.tally, "samples": self.samples, "rss": self.rss, "idle": idle,
+        return {"tally": self.tally, "samples": self.samples, "rss": self.rss, "anon": self.anon, "idle": idle,
                 "mismatches": self.mismatches, "kill_window_s": self.plan["kill_window"],
                 "duration_s": self.plan["duration"], "step_ms": self.step_ms, "cfg": self.cfg}
 
@@ -173,27 +179,40 @@ class _Soak:
     def _pick(self) -> tuple[int, str, int]:
         return (self.rng.randrange(len(self.prompts)), self.rng.choice(self.modes), self.rng.choice(LENGTHS))
 
-    def _check(self, i: int, mode: str, limit: int, ids: list[int]) -> tuple[int, bool]:
-        """(tokens missing, differs) of a completed gRPC answer against its reference; a difference is kept."""
+    def _check(self, i: int, mode: str, limit: int, ids: list[int], finish: str) -> tuple[int, bool, bool]:
+        """(tokens missing, differs, differs past a near-tie) of a completed gRPC answer against its reference;
+        a difference is kept, with the target's margin where it first differs."""
         from calid.bench.soak_report import compare
 
         if not self.cfg.batch_invariant:
-            return 0, False
-        ref = self.refs[i, "filter" if mode == "filter" else "ar"][0]
-        missing, at = compare(ids, ref, limit)
-        if missing or at is not None:
-            self.mismatches.append({"t": round(self.now(), 1), "api": "grpc", "mode": mode, "prompt": i,
-                                    "limit": limit, "got": len(ids), "reference": min(limit, len(ref)),
-                                    "first_difference": at, "missing": missing})
-        return missing, at is not None
+            return 0, False, False
+        ref, _, tops = self.refs[i, "filter" if mode == "filter" else "ar"]
+        missing, at = compare(ids, ref, limit, eos=finish == "eos")
+        if not missing and at is None:
+            return 0, False, False
+        wrong = self._differs("grpc", mode, i, limit, len(ids), tops, at, ids[at] if at is not None and at < len(ids)
+                              else None, {"first_difference": at, "missing": missing})
+        return missing, at is not None, wrong
+
+    def _differs(self, api: str, mode: str, i: int, limit: int, got: int, tops: list, at: int | None,
+                 taken: int | None, where: dict) -> bool:
+        """Keep an answer that is not the reference's; whether it differs where the target's choice was not a
+        near-tie (what batch rounding cannot explain)."""
+        from calid.bench.soak_report import is_near_tie, tie_margin
+
+        margin = tie_margin(tops[at], taken) if at is not None and at < len(tops) else None
+        self.mismatches.append({"t": round(self.now(), 1), "api": api, "mode": mode, "prompt": i, "limit": limit,
+                                "got": got, "reference": min(limit, len(tops)), **where,
+                                "margin_nats": None if margin is None else round(margin, 4)})
+        return at is not None and not is_near_tie(margin)
 
     async def _timed(self, kind: str, call):
-        """Run ``call()`` (returns tokens, (missing, differs), ttft_s) and record its outcome."""
+        """Run ``call()`` (returns tokens, (missing, differs, wrong), ttft_s) and record its outcome."""
         from calid.bench.soak_report import CUT, FAILED, REFUSED, SERVED, Record
         from calid.client import CalidAPIError
 
         start = self.now()
-        tokens, check, ttft, outcome, reason = 0, (0, False), None, SERVED, ""
+        tokens, check, ttft, outcome, reason = 0, (0, False, False), None, SERVED, ""
         try:
             tokens, check, ttft = await call()
         except _Cut:
@@ -206,17 +225,19 @@ class _Soak:
             outcome = REFUSED if e.status in (400, 404, 413, 422, 429) else FAILED
         except Exception as e:  # a transport error is a failure like any other, kept with its kind
             outcome, reason = FAILED, type(e).__name__
-        self.tally.add(Record(kind, start, self.now(), outcome, reason, tokens, check[0], check[1], ttft))
+        self.tally.add(Record(kind, start, self.now(), outcome, reason, tokens, lost=check[0], differs=check[1],
+                              wrong=check[2], ttft_s=ttft))
 
     async def _grpc_stream(self, c, http) -> None:
         i, mode, limit = self._pick()
 
         async def call():
-            ids, ttft, t = [], None, time.monotonic()
+            ids, ttft, t, finish = [], None, time.monotonic(), ""
             async for chunk in c.stream(self.prompts[i], mode=mode, max_new_tokens=limit):
                 ttft = ttft if ttft is not None else time.monotonic() - t
                 ids += chunk.token_ids
-            return len(ids), self._check(i, mode, limit, ids), ttft
+                finish = chunk.finish_reason or finish
+            return len(ids), self._check(i, mode, limit, ids, finish), ttft
 
         await self._timed("grpc-stream", call)
 
@@ -225,7 +246,7 @@ class _Soak:
 
         async def call():
             done = await c.generate(self.prompts[i], mode=mode, max_new_tokens=limit)
-            return len(done.token_ids), self._check(i, mode, limit, done.token_ids), None
+            return len(done.token_ids), self._check(i, mode, limit, done.token_ids, done.finish_reason), None
 
         await self._timed("grpc-unary", call)
 
@@ -249,27 +270,48 @@ class _Soak:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    def _text_check(self, i: int, mode: str, limit: int, text: str, tokens: int) -> tuple[int, bool]:
-        """As _check for an HTTP answer (text, and its token count): the reference's beginning, as long."""
+    async def _text_check(self, http, i: int, mode: str, limit: int, text: str, tokens: int, finish: str
+                          ) -> tuple[int, bool, bool]:
+        """As _check for an HTTP answer (its text, token count and finish reason): the reference's beginning, as
+        long; where it differs, in the reference's tokens."""
         if not self.cfg.batch_invariant:
-            return 0, False
-        ids, ref_text = self.refs[i, "filter" if mode == "filter" else "ar"]
+            return 0, False, False
+        ids, ref_text, tops = self.refs[i, "filter" if mode == "filter" else "ar"]
         want = min(limit, len(ids))
         if ref_text.startswith(text) and tokens == want:
-            return 0, False
-        same = next((k for k, (a, b) in enumerate(zip(text, ref_text)) if a != b), None)
-        at = same or 0
-        self.mismatches.append({"t": round(self.now(), 1), "api": "http", "mode": mode, "prompt": i, "limit": limit,
-                                "got": tokens, "reference": want, "first_difference_char": same,
-                                "got_text": text[max(0, at - 40):at + 40],
-                                "reference_text": ref_text[max(0, at - 40):at + 40]})
-        return (max(0, want - tokens), tokens > want) if same is None else (0, True)
+            return 0, False, False
+        char = next((k for k, (a, b) in enumerate(zip(text, ref_text)) if a != b), None)
+        if char is None and len(text) > len(ref_text):
+            char = len(ref_text)  # went on where the reference ended
+        if char is None and tokens < want and finish != "stop":
+            missing, at = want - tokens, None  # the reference's beginning, cut short without an EOS: lost
+        else:
+            missing, at = 0, await self._token_at(http, ids, len(text) if char is None else char)
+        c = char if char is not None else len(text)
+        wrong = self._differs("http", mode, i, limit, tokens, tops, at, None,
+                              {"first_difference": at, "first_difference_char": char, "missing": missing,
+                               "got_text": text[max(0, c - 40):c + 40],
+                               "reference_text": ref_text[max(0, c - 40):c + 40]})
+        return missing, at is not None, wrong
+
+    async def _token_at(self, http, ids: list[int], char: int) -> int:
+        """The reference token whose text holds character ``char`` of the reference's text (len(ids): past its
+        end), by bisection over the server's own /detokenize."""
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            r = await http.post(self.detokenize_url, json={"tokens": ids[:mid + 1]})
+            if len(r.json()["prompt"]) > char:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     async def _http_stream(self, c, http) -> None:
         i, mode, limit = self._pick()
 
         async def call():
-            text, tokens, ttft, t = [], 0, None, time.monotonic()
+            text, tokens, ttft, t, finish = [], 0, None, time.monotonic(), ""
             async with http.stream("POST", "/chat/completions", json=self._chat(i, mode, limit, True)) as r:
                 if r.status_code != 200:
                     await r.aread()
@@ -281,11 +323,12 @@ class _Soak:
                     if event.get("usage"):
                         tokens = event["usage"]["completion_tokens"]
                     for choice in event.get("choices") or []:
+                        finish = choice.get("finish_reason") or finish
                         piece = (choice.get("delta") or {}).get("content") or ""
                         if piece and ttft is None:
                             ttft = time.monotonic() - t
                         text.append(piece)
-            return tokens, self._text_check(i, mode, limit, "".join(text), tokens), ttft
+            return tokens, await self._text_check(http, i, mode, limit, "".join(text), tokens, finish), ttft
 
         await self._timed("http-stream", call)
 
@@ -299,7 +342,8 @@ class _Soak:
             body = r.json()
             tokens = body["usage"]["completion_tokens"]
             text = body["choices"][0]["message"]["content"] or ""
-            return tokens, self._text_check(i, mode, limit, text, tokens), None
+            finish = body["choices"][0].get("finish_reason") or ""
+            return tokens, await self._text_check(http, i, mode, limit, text, tokens, finish), None
 
         await self._timed("http-unary", call)
 
@@ -344,14 +388,16 @@ class _Soak:
             return
         roles = ["draft", "target"] if self.cfg.topology == "split" and self.cfg.draft else (
             ["target"] if self.cfg.topology == "split" else ["router"])
-        n = 0
-        while self.now() + every < end:
-            await asyncio.sleep(every)
-            role = roles[n % len(roles)]
+        n = 1
+        while n * every < end:
+            await asyncio.sleep(max(0.0, n * every - self.now()))  # on the clock, however long a kill took
+            role = roles[(n - 1) % len(roles)]
             n += 1
+            at = self.now()  # requests in flight from here on count against the retry budget
             if await asyncio.get_running_loop().run_in_executor(None, _kill_replica, self.cfg.app_name, role):
-                self.tally.kills.append((self.now(), role))
-                print(f"bench soak: {self.now():.0f} s: killed a {role} replica", file=sys.stderr, flush=True)
+                self.tally.kills.append((at, role))
+                print(f"bench soak: {at:.0f} s: killed a {role} replica ({self.now() - at:.1f} s to kill)",
+                      file=sys.stderr, flush=True)
 
     async def _bursts(self, end: float) -> None:
         from calid.client import AsyncClient
@@ -367,7 +413,7 @@ class _Soak:
                 async def one():
                     async def call():
                         done = await c.generate(self.prompts[1], mode="ar", max_new_tokens=8)
-                        return len(done.token_ids), (0, False), None
+                        return len(done.token_ids), (0, False, False), None
                     await self._timed("burst", call)
 
                 await asyncio.gather(*(one() for _ in range(size)))
@@ -385,10 +431,13 @@ class _Soak:
     def _progress(self) -> None:
         c = self.tally.counts(self.plan["kill_window"])
         g = self.samples[-1] if self.samples else {}
-        print(f"bench soak: {self.now() / 60:5.1f} of {self.plan['duration'] / 60:.1f} min: {c['served']} served "
+        at = (f"{self.now() / 60:5.1f} of {self.plan['duration'] / 60:.1f} min" if self.now() < self.plan["duration"]
+              else f"{self.now() / 60:5.1f} min, no new requests since {self.plan['duration'] / 60:.1f}")
+        print(f"bench soak: {at}: {c['served']} served "
               f"({c['tokens']} tokens), {sum(c['refused'].values())} refused, {c['failed_in_kill_windows']} + "
               f"{c['failed_outside_kill_windows']} failed (in + outside kill windows), {c['lost_tokens']} tokens "
-              f"missing, {c['answers_not_identical']} answers not the reference's; "
+              f"missing, {c['answers_not_identical']} answers not the reference's "
+              f"({c['not_identical_past_a_near_tie']} past a near-tie); "
               f"router active {g.get('active')}, waiting {g.get('waiting')}", file=sys.stderr, flush=True)
 
     def _sample(self) -> None:
@@ -399,6 +448,9 @@ class _Soak:
             try:
                 name = f"{_role(p)}[{p.pid}]"
                 self.rss.setdefault(name, []).append((t, float(p.memory_info().rss)))
+                anon = _rss_anon(p.pid)
+                if anon is not None:
+                    self.anon.setdefault(name, []).append((t, anon))
             except psutil.Error:
                 pass
         self.samples.append({"t": t, **self._gauges()})
@@ -454,6 +506,17 @@ def _role(p) -> str:
     return title[5:].split()[0].split(".")[0] if title.startswith("ray::") else p.name()
 
 
+def _rss_anon(pid: int) -> float | None:
+    """A process's private anonymous memory (what a leak grows; RSS also counts pages of its program and
+    libraries read in as new code runs), from /proc on Linux; None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next((x for x in f if x.startswith("RssAnon:")), None)
+    except OSError:
+        return None
+    return None if line is None else float(line.split()[1]) * 1024
+
+
 def _kill_replica(app: str, role: str) -> bool:
     import ray
     from ray.util import list_named_actors
@@ -472,32 +535,36 @@ def _report(result: dict, args) -> int:
     tally, duration = result["tally"], result["duration_s"]
     counts = tally.counts(result["kill_window_s"])
     skip = max(60.0, 0.1 * duration)
-    judged_life = max(600.0, duration / 3)  # a process judged on less shows its warm-up (KV pages touched late)
-    slopes, lives = {}, {}
+    judged_life = JUDGED_LIFE_S
+    slopes, anon, lives = {}, {}, {}
     for name, pts in result["rss"].items():
         lives[name] = pts[-1][0] - pts[0][0] if pts else 0.0
         slopes[name] = rss_slope_pct_per_hour(pts, skip)
+        anon[name] = _mb_per_hour(result["anon"].get(name, []), skip)
     judged = {k: v for k, v in slopes.items() if lives[k] - skip >= judged_life}
     window = min(600.0, duration / 3)
     latency = latency_windows(tally.records, duration, window)
     bad = verdicts(counts, judged, result["idle"], args.max_slope_pct)
     print(f"\nbench soak ({duration:.0f} s of traffic; ar alone, served: {result['step_ms'] or 0:.1f} ms per token):")
     for key in ("requests", "served", "tokens", "cut_by_client", "refused", "failed_in_kill_windows",
-                "failed_outside_kill_windows", "lost_tokens", "answers_not_identical", "by_kind"):
+                "failed_outside_kill_windows", "lost_tokens", "answers_not_identical", "not_identical_past_a_near_tie",
+                "by_kind"):
         print(f"  {key:28} {counts[key]}")
     print(f"  {'kills':28} {[f'{t:.0f}s {r}' for t, r in tally.kills]}")
     print(f"  {'at the end (0 = idle)':28} {result['idle']}")
     for name in ("first", "last"):
         w = latency[name]
         print(f"  latency, {name} {window:.0f} s: {w['requests']} requests, p50 {_s(w['p50_s'])}, p99 {_s(w['p99_s'])}")
-    print(f"  RSS slope, % and MB per hour (after each process's first {skip:.0f} s; judged on processes that lived "
-          f"{judged_life / 60:.0f} min more; '-': too short a life to tell):")
+    print(f"  RSS slope, % and MB per hour, and of its private anonymous part (after each process's first {skip:.0f} "
+          f"s; judged on processes that lived {judged_life / 60:.0f} min more; '-': too short a life to tell):")
     for name, slope in sorted(slopes.items(), key=lambda kv: -max(m for _, m in result["rss"][kv[0]])):
         pts = result["rss"][name]
         peak = max(m for _, m in pts) / 2**20
         mb_h = "" if slope is None else f"{slope / 100 * statistics.fmean(m for _, m in pts) / 2**20:+8.1f} MB/h"
+        anon_h = "" if anon[name] is None else f"anon {anon[name]:+7.1f} MB/h"
         life = "" if name in judged else f"   (lived {lives[name] / 60:.0f} min: not judged)"
-        print(f"    {name:36} {'-' if slope is None else f'{slope:+.2f}%':>8} {mb_h:>12}   peak {peak:6.0f} MB{life}")
+        print(f"    {name:36} {'-' if slope is None else f'{slope:+.2f}%':>8} {mb_h:>12} {anon_h:>18}   "
+              f"peak {peak:6.0f} MB{life}")
     for m in result["mismatches"][:8]:
         print(f"  not the reference: {m}")
     print("verdict: " + ("PASS" if not bad else "FAIL\n  " + "\n  ".join(bad)))
@@ -505,13 +572,21 @@ def _report(result: dict, args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     data = {"counts": counts, "kills": tally.kills, "idle": result["idle"], "latency": latency, "slopes": slopes,
-            "samples": result["samples"], "rss": result["rss"], "verdict": bad,
+            "anon_mb_per_hour": anon, "samples": result["samples"], "rss": result["rss"], "anon": result["anon"],
+            "verdict": bad,
             "mismatches": result["mismatches"], "duration_s": duration,
             "ar_alone_ms_per_token": result["step_ms"], "target": result["cfg"].target, "draft": result["cfg"].draft}
     (out / f"soak-{stamp}.json").write_text(json.dumps(data, indent=1))
     png = _plot(result, out / f"soak-{stamp}.png")
     print(f"written: {out / f'soak-{stamp}.json'}" + (f", {png}" if png else ""))
     return 0 if not bad else 1
+
+
+def _mb_per_hour(pts: list[tuple[float, float]], skip_s: float) -> float | None:
+    from calid.bench.soak_report import rss_slope_pct_per_hour
+
+    pct = rss_slope_pct_per_hour(pts, skip_s)
+    return None if pct is None else pct / 100 * statistics.fmean(m for _, m in pts) / 2**20
 
 
 def _s(x) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -202,6 +203,10 @@ def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True, address:
 
     from serve_app.cluster.app import start
 
+    # Serve's own INFO lines in this process ("Started Serve", "Connecting to existing Serve app ... will not be
+    # applied", "Application ... is ready") repeat what calid says, and the second misleads; warnings stay
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
     if not ray.is_initialized():
         check_ports_free(cfg)
     if cfg.tls_cert_file is not None:
@@ -301,7 +306,12 @@ def shutdown() -> None:
                 apps = set()
             for name in apps if _owned else apps & set(_apps):
                 _end_requests(name)
-                serve.delete(name)
+                try:
+                    serve.delete(name)
+                except TimeoutError:  # Serve waits 60 s at most; Ray's shutdown (owned) stops what is left
+                    print(f"[calid] application {name!r} was not deleted within Serve's 60 s; "
+                          + ("stopping Ray with it" if _owned else "it goes on stopping on the cluster"),
+                          file=sys.stderr, flush=True)
     finally:  # whatever the deletion met, Ray ends (or, joined, this process leaves it)
         _owned = False
         _apps.clear()

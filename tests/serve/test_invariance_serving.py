@@ -25,8 +25,8 @@ def _alone_and_crowd(port: int, app: str, mode: str, **params) -> tuple[list[int
 
     async def run():
         async with AsyncClient(f"127.0.0.1:{port}", app=app, timeout=600) as c:
-            alone = await c.generate(PROMPT, mode=mode, max_new_tokens=32, **params)
-            crowd = await asyncio.gather(*[c.generate(p, mode=mode, max_new_tokens=32, **params)
+            alone = await c.generate(PROMPT, mode=mode, max_new_tokens=20, **params)
+            crowd = await asyncio.gather(*[c.generate(p, mode=mode, max_new_tokens=20, **params)
                                            for p in [PROMPT] + OTHERS])
             return alone.token_ids, crowd[0].token_ids
 

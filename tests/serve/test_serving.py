@@ -79,6 +79,17 @@ def test_stream_chunks_add_up_to_the_whole_output(client):
     assert not any(c.finish_reason for c in chunks[:-1])
 
 
+def test_the_sdk_returns_each_tokens_logprob_and_alternatives(client):
+    whole = client.generate(PROMPTS[1], max_new_tokens=8, logprobs=2)
+    assert len(whole.logprobs) == len(whole.token_ids) > 0
+    for token, lp in zip(whole.token_ids, whole.logprobs):  # greedy: each token is the target's top choice
+        assert lp.token_id == token and lp.top[0][0] == token and lp.top[0][1] == pytest.approx(lp.logprob, abs=1e-4)
+        assert len(lp.top) == 2 and lp.top[1][1] <= lp.top[0][1]
+    chunks = list(client.stream(PROMPTS[1], max_new_tokens=8, logprobs=2))
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == whole.token_ids
+    assert client.generate(PROMPTS[1], max_new_tokens=4).logprobs == []  # none asked for, none sent
+
+
 def test_plain_decoding_runs_several_target_steps_a_call_with_the_same_tokens(client, local_engine, smol):
     """ar past its prefill: the router has the target run several steps a call (plain_run_ms), so the round trip
     is paid once per run; the stream carries exactly the tokens of one step a call (the in-process engine's), a

@@ -49,3 +49,5 @@ def test_dtype_auto_follows_the_cpu(monkeypatch):
     assert pick_dtype("auto", "cuda") == "bf16"
     assert pick_dtype("fp32", "cuda") == "fp32"
     assert "avx2" in backends.cpu_summary() and "avx512_bf16" not in backends.cpu_summary()
+    monkeypatch.setattr(backends, "_cpuinfo", lambda: {"model name": "AMD EPYC", "cpu family": "25", "model": "1"})
+    assert backends.cpu_summary().startswith("AMD EPYC (family 25 model 1), ")

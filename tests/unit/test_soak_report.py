@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from calid.bench.soak_report import (CUT, FAILED, REFUSED, SERVED, Record, Tally, compare, latency_windows,
-                                     parse_duration, rss_slope_pct_per_hour, verdicts)
+from calid.bench.soak_report import (CUT, FAILED, REFUSED, SERVED, Record, Tally, compare, is_near_tie,
+                                     latency_windows, parse_duration, rss_slope_pct_per_hour, tie_margin, verdicts)
 from calid.errors import CalidError
 
 
@@ -34,12 +34,29 @@ def test_an_answer_against_the_reference(got, limit, verdict):
     assert compare(got, [1, 2, 3, 4, 5], limit) == verdict
 
 
+def test_an_answer_that_chose_eos_early_differs_where_it_stopped_and_lost_nothing():
+    assert compare([1, 2], [1, 2, 3, 4, 5], 8, eos=True) == (0, 2)
+    assert compare([1, 2], [1, 2, 3, 4, 5], 8, eos=False) == (3, None)  # cut short without choosing to: lost
+    assert compare([1, 2, 3], [1, 2, 3, 4, 5], 3, eos=True) == (0, None)  # at its limit: nothing to tell
+
+
 def test_answers_that_differ_are_counted_apart_from_tokens_missing():
     t = Tally()
     t.add(Record("grpc-unary", 0, 1, SERVED, tokens=3, lost=2))
     t.add(Record("grpc-stream", 0, 1, SERVED, tokens=8, differs=True))
+    t.add(Record("http-stream", 0, 1, SERVED, tokens=8, differs=True, wrong=True))
     c = t.counts(window_s=60)
-    assert (c["lost_tokens"], c["answers_not_identical"]) == (2, 1)
+    assert (c["lost_tokens"], c["answers_not_identical"], c["not_identical_past_a_near_tie"]) == (2, 2, 1)
+
+
+def test_a_difference_is_a_near_tie_only_when_the_target_scored_both_tokens_alike():
+    top = [(7, -0.70), (9, -0.72)]
+    assert tie_margin(top, 9) == pytest.approx(0.02) and is_near_tie(tie_margin(top, 9))
+    assert tie_margin(top, None) == pytest.approx(0.02)  # the token taken unknown: the runner-up's margin
+    assert tie_margin(top, 4) is None and not is_near_tie(None)  # not even among the target's alternatives
+    assert not is_near_tie(tie_margin([(7, -0.1), (9, -2.5)], 9))  # a clear choice: a real difference
+    assert not is_near_tie(tie_margin([(7, -0.1), (9, -0.7)], None))
+    assert tie_margin([(7, -0.1)], 9) is None
 
 
 def test_rss_slope_is_percent_of_the_mean_per_hour_after_the_warm_up():
@@ -61,10 +78,13 @@ def test_latency_early_and_late():
 
 
 def test_verdicts_name_every_problem():
-    ok = {"failed_outside_kill_windows": 0, "failures": {}, "lost_tokens": 0}
+    ok = {"failed_outside_kill_windows": 0, "failures": {}, "lost_tokens": 0, "not_identical_past_a_near_tie": 0}
     assert verdicts(ok, {"target[1]": 1.0, "draft[2]": None}, {"active": 0}, 5.0) == []
-    bad = verdicts({**ok, "lost_tokens": 3}, {"target[1]": 7.5}, {"active": 0, "target_kv": 2}, 5.0)
+    bad = verdicts({**ok, "lost_tokens": 3, "not_identical_past_a_near_tie": 1}, {"target[1]": 7.5},
+                   {"active": 0, "target_kv": 2}, 5.0)
     assert bad == ["3 tokens missing from completed greedy answers",
+                   "1 completed greedy answers differ from the reference where the target's choice was not a "
+                   "near-tie (> 0.5 nats)",
                    "target[1]: RSS grows 7.5% per hour (limit 5%)", "not back to idle at the end: {'target_kv': 2}"]
 
 
