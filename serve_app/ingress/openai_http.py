@@ -107,12 +107,12 @@ async def _models(router, request, caller) -> Response:
 
 async def _chat(router, request, caller) -> Response:
     msg, opts = wire.chat_request(await _body(router, request))
-    return await _generate(router, "chat", [msg], opts, caller)
+    return await _generate(router, "chat", wire.choices([msg], opts.n), opts, caller)
 
 
 async def _completions(router, request, caller) -> Response:
     msgs, opts = wire.completion_requests(await _body(router, request))
-    return await _generate(router, "completion", msgs, opts, caller)
+    return await _generate(router, "completion", wire.choices(msgs, opts.n), opts, caller)
 
 
 async def _generate(router, kind: str, msgs: list, opts: wire.Options, caller: Caller) -> Response:
@@ -181,7 +181,7 @@ async def _stream(router, rs: list, reply: wire.Reply):
                 yield wire.sse(reply.chunk(i, out, i in first))
                 first.discard(i)
                 if out.result is not None:
-                    prompt_tokens += out.result.prompt_tokens
+                    prompt_tokens += out.result.prompt_tokens if i % reply.opts.n == 0 else 0  # a prompt once
                     completion_tokens += len(out.result.output_ids)
         if reply.opts.include_usage:
             yield wire.sse(reply.usage_chunk(prompt_tokens, completion_tokens))

@@ -7,9 +7,9 @@ and ``from_status`` give every refusal OpenAI's error shape and the matching HTT
 
 Fields (docs/openai-api.md has the table): the ones calid serves are translated; the
 ones that change nothing here (``user``, ``metadata``, ``store``, null values, unknown names) are ignored,
-as the reference servers do; the ones whose meaning calid cannot honour (``n`` > 1, tools, a JSON
-response format, non-zero penalties, ``logit_bias``, ``suffix``, ``best_of`` > 1) are refused with a 400
-naming the field, never silently dropped.
+as the reference servers do; the ones whose meaning calid cannot honour (tools, a JSON response format,
+non-zero penalties, ``logit_bias``, ``suffix``, ``best_of`` > 1) are refused with a 400 naming the field,
+never silently dropped. ``n`` > 1 is served as n requests per prompt (``choices``).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from serve_app.ingress.protocol import MAX_LOGPROBS, stats
 
 U32, U64 = 2**32 - 1, 2**64 - 1
 MAX_PROMPTS = 64  # prompts in one completions request (each is one request on the path)
+MAX_N = 16  # choices per prompt (each is one request on the path; prompts x n at most MAX_PROMPTS)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 STATUS = {  # gRPC status of the request path -> HTTP status
@@ -98,6 +99,7 @@ class Options:
     include_usage: bool = False
     logprobs: int | None = None  # alternatives per token, when logprobs were asked for
     echo: bool = False
+    n: int = 1  # choices per prompt: choice p * n + j is prompt p's j-th
 
 
 # ---- fields ------------------------------------------------------------------------------------
@@ -124,9 +126,6 @@ def _field(body: dict, name: str, kind: str, lo=None, hi=None):
 
 
 def _refuse_unsupported(body: dict) -> None:
-    n = _field(body, "n", "int", 1, U32)
-    if n not in (None, 1):
-        raise WireError(400, "n must be 1: calid returns one choice per prompt (send n requests for more)", "n")
     best_of = _field(body, "best_of", "int", 1, U32)
     if best_of not in (None, 1):
         raise WireError(400, "best_of must be 1", "best_of")
@@ -176,7 +175,7 @@ def _common(body: dict, default_max_tokens: int | None) -> tuple[pb.GenerateRequ
             raise WireError(400, "stop must be a string or a list of strings", "stop")
         msg.stop.extend(s for s in stop if s)
     stream = bool(_field(body, "stream", "bool"))
-    opts = Options(model=model, stream=stream)
+    opts = Options(model=model, stream=stream, n=_field(body, "n", "int", 1, MAX_N) or 1)
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
@@ -197,6 +196,24 @@ def _content(m: dict, i: int) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise WireError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def choices(msgs: list[pb.GenerateRequest], n: int) -> list[pb.GenerateRequest]:
+    """``n`` requests per prompt (choice p * n + j is prompt p's j-th), each sampled on its own: with a seed
+    ``s``, choice j gets ``s + j``, so that a seeded request is reproducible and its choices differ."""
+    if n == 1:
+        return msgs
+    if len(msgs) * n > MAX_PROMPTS:
+        raise WireError(400, f"prompts x n is at most {MAX_PROMPTS}, got {len(msgs)} x {n}", "n")
+    out = []
+    for msg in msgs:
+        for j in range(n):
+            m = pb.GenerateRequest()
+            m.CopyFrom(msg)
+            if msg.HasField("seed"):
+                m.seed = (msg.seed + j) % (U64 + 1)
+            out.append(m)
+    return out
 
 
 def chat_request(body: dict) -> tuple[pb.GenerateRequest, Options]:
@@ -374,7 +391,8 @@ class Reply:
                 choices.append({"index": i, "text": echo_text + out.text, "logprobs": lp, "finish_reason": finish})
         obj = self._head("chat.completion" if self.kind == "chat" else "text_completion")
         obj["choices"] = choices
-        obj["usage"] = usage(sum(o.result.prompt_tokens for o in outs), sum(len(o.result.output_ids) for o in outs))
+        obj["usage"] = usage(sum(o.result.prompt_tokens for o in outs[::self.opts.n]),  # a prompt counts once
+                             sum(len(o.result.output_ids) for o in outs))
         obj["calid"] = self._stats(0, outs[0]) if len(outs) == 1 else [self._stats(i, o) for i, o in enumerate(outs)]
         return obj
 

@@ -56,6 +56,7 @@ _plausible = {
     "mode": st.sampled_from(["ar", "filter", "speculative", "tree", "lookahead", "auto", "nope", ""]),
     "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3),
     "echo": st.booleans(),
+    "n": st.integers(-1, 20),
 }
 
 
@@ -78,7 +79,12 @@ def router():
 @given(body=bodies(), chat=st.booleans())
 def test_any_body_is_admitted_or_refused_with_a_4xx(router, body, chat):
     async def translate_and_open():
-        msgs, _ = ([wire.chat_request(body)[0]], None) if chat else wire.completion_requests(body)
+        if chat:
+            msg, opts = wire.chat_request(body)
+            msgs = [msg]
+        else:
+            msgs, opts = wire.completion_requests(body)
+        msgs = wire.choices(msgs, opts.n)
         opened = [await router.open(m, Caller(frontend="http")) for m in msgs]
         forget_admitted(router)
         return opened

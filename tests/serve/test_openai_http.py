@@ -51,6 +51,29 @@ def test_chat_stream_with_usage(oai):
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == whole.choices[0].finish_reason
 
 
+def test_n_choices_each_sampled_on_its_own_and_the_prompt_counted_once(oai):
+    msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=24, temperature=1.0, seed=5,
+              extra_body={"mode": "ar"})  # llama.cpp's rows here are the same batched or alone
+    one = oai.chat.completions.create(n=1, **kw)
+    three = oai.chat.completions.create(n=3, **kw)
+    texts = [c.message.content for c in sorted(three.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(three.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert texts[0] == one.choices[0].message.content  # choice 0 has the request's own seed
+    assert len(set(texts)) > 1  # the others their own seeds
+    assert [c.message.content for c in sorted(oai.chat.completions.create(n=3, **kw).choices,
+                                             key=lambda c: c.index)] == texts  # seeded: reproducible
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    per_choice = three.model_extra["calid"]  # calid's stats, one per choice
+    assert len(per_choice) == 3 and three.usage.completion_tokens == sum(s["output_tokens"] for s in per_choice)
+    chunks = list(oai.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert [streamed[0], streamed[1]] == texts[:2] and chunks[-1].usage.prompt_tokens == one.usage.prompt_tokens
+
+
 def test_async_client_streams_concurrently(base_url):
     async def run():
         async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0) as c:
@@ -98,7 +121,7 @@ def test_errors_map_to_the_sdk_exceptions(oai):
         oai.chat.completions.create(model=MODEL, messages=msgs, top_p=0)
     assert e.value.body["param"] == "top_p"
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model=MODEL, messages=msgs, n=2)
+        oai.chat.completions.create(model=MODEL, messages=msgs, n=17)  # n is served up to 16
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10**6)

@@ -43,7 +43,9 @@ def test_chat_defaults_and_precedence():
 @pytest.mark.parametrize(
     "extra,param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 1.5}, "n"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -70,6 +72,21 @@ def test_bad_chat_fields_are_400_naming_the_field(extra, param):
     with pytest.raises(wire.WireError) as e:
         wire.chat_request({**CHAT, **extra})
     assert e.value.status == 400 and e.value.param == param and e.value.body()["error"]["param"] == param
+
+
+def test_n_choices_are_n_requests_per_prompt_each_with_its_own_seed():
+    msg, opts = wire.chat_request({**CHAT, "n": 3, "seed": 2**64 - 2, "temperature": 0.8})
+    out = wire.choices([msg], opts.n)
+    assert opts.n == 3 and len(out) == 3 and [m.seed for m in out] == [2**64 - 2, 2**64 - 1, 0]
+    assert all(m.messages == msg.messages and m.temperature == msg.temperature for m in out)
+    unseeded, opts = wire.chat_request({**CHAT, "n": 2})
+    assert not any(m.HasField("seed") for m in wire.choices([unseeded], opts.n))  # each samples on its own
+    msgs, opts = wire.completion_requests({"model": "m", "prompt": ["a", "b"], "n": 2})
+    assert [m.prompt for m in wire.choices(msgs, opts.n)] == ["a", "a", "b", "b"]  # choice p * n + j
+    msgs, opts = wire.completion_requests({"model": "m", "prompt": ["a"] * 5, "n": 16})
+    with pytest.raises(wire.WireError, match="prompts x n is at most 64") as e:
+        wire.choices(msgs, opts.n)
+    assert e.value.param == "n"
 
 
 def test_completion_prompts_of_every_shape():
@@ -135,6 +152,14 @@ def test_completion_reply_with_echo_and_logprobs():
     assert lp["text_offset"] == [0, 3, 6, 9]
     assert obj["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
     assert obj["calid"]["mode"] == "ar" and obj["calid"]["output_tokens"] == 1
+
+
+def test_n_choices_reply_counts_each_prompt_once():
+    _, opts = wire.chat_request({**CHAT, "n": 2})
+    outs = [Output(text=f"<{t}>", token_ids=[t], logprobs=[], result=_result([t], prompt_tokens=5)) for t in (7, 8)]
+    obj = wire.Reply("chat", opts, "served", _decode, ["ar", "ar"]).whole(outs)
+    assert [(c["index"], c["message"]["content"]) for c in obj["choices"]] == [(0, "<7>"), (1, "<8>")]
+    assert obj["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
 
 
 def test_chat_stream_chunks_and_usage():
