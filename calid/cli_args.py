@@ -32,9 +32,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                    help="draft confidence (top-1 probability) in [0, 1]; default 0.7 for filter, "
                         "0.4 for speculative/rollback (stop drafting below it)")
     p.add_argument("--min-agreement", type=float, default=None,
-                   help="filter: a quality budget instead of --threshold: the share of output tokens in (0, 1] that "
-                        "must equal the target's top-1; the threshold follows from the pair's calibration "
-                        "(calid bench quality) and moves to hold it (implies --mode filter)")
+                   help="filter: a token-agreement budget instead of --threshold: the share of output tokens in (0, 1] "
+                        "that must equal the target's top-1 (tokens, not task quality); the threshold follows "
+                        "from the pair's calibration (calid bench quality) and moves to hold it (implies --mode "
+                        "filter)")
     p.add_argument(
         "--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone"
     )

@@ -1,4 +1,5 @@
-"""A quality budget for filter decoding: ``min_agreement`` instead of a raw threshold.
+"""A token-agreement budget for filter decoding: ``min_agreement`` instead of a raw threshold (a share of
+tokens that agree with the target, not of its task quality: docs/planner.md).
 
 Agreement is the share of a request's output tokens that equal what the target
 would choose (its top-1) given the same preceding tokens. In filter mode a

@@ -33,7 +33,7 @@ class DecodeParams:
     rollback_nll  rollback: roll back past a draft token whose target NLL exceeds this
     adaptive      LLMCad-style self-adaptive threshold: raised after a rejection,
                   lowered after a fully accepted draft
-    min_agreement filter: a quality budget instead of a threshold: the share of output tokens that must
+    min_agreement filter: a token-agreement budget instead of a threshold: the share of output tokens that must
                   equal the target's top-1 given the same prefix; the threshold is chosen, and moved
                   step by step, to hold it while drafting as much as possible (calid.decoding.budget)
     """

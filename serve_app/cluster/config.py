@@ -126,11 +126,11 @@ class AppConfig(BaseModel):
                                "(a Q4_0 copy, made once), or auto: the faster of the two on this machine, timed "
                                "once (calid.models.draft_weights)")
     default_mode: str | None = None  # None: speculative with a draft, ar without
-    agreement_audit_every: int = Field(8, ge=0, description="filter requests without a quality budget whose draft "
-                                       "tokens the target compares with its own top-1 as it catches up (one in this "
-                                       "many; 0: none): keeps the live agreement estimate (calid_filter_agreement) "
-                                       "moving. Requests with min_agreement are always audited (a few extra logits "
-                                       "rows per target call)")
+    agreement_audit_every: int = Field(8, ge=0, description="filter requests without a token-agreement budget whose "
+                                       "draft tokens the target compares with its own top-1 as it catches up (one in "
+                                       "this many; 0: none): keeps the live agreement estimate "
+                                       "(calid_filter_agreement) moving. Requests with min_agreement are always "
+                                       "audited (a few extra logits rows per target call)")
     topology: Literal["split", "engine"] = Field("split", description="split: draft and target are deployments of "
                                                  "their own (scaled apart, on any node, TP/PP groups); engine: the "
                                                  "router replica holds both models and calls them in process, with "

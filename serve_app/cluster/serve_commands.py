@@ -366,7 +366,7 @@ async def _demo_requests(address: str, app: str, max_new_tokens: int, local_draf
     async def one(c, i, label, prompt):
         mode = label.removesuffix(EDGE)
         text, line, stats = [], "", {}
-        # filter states a quality budget rather than a raw threshold: what a user should do (README)
+        # filter states a token-agreement budget rather than a raw threshold: what a user should do (README)
         budget = {"min_agreement": DEMO_BUDGET} if mode == "filter" else {}
         async for chunk in c.stream(prompt, mode=mode, max_new_tokens=max_new_tokens, **budget):
             text.append(chunk.text)
@@ -399,7 +399,7 @@ def cmd_demo(args) -> int:
               + (f", Ray dashboard {url}" if url else ""), flush=True)
         _print_http(cfg, "[demo]", sys.stdout)
         edge = f"; {'speculative' + EDGE} drafts here, with a local {cfg.draft} (Collaborate)" if cfg.draft else ""
-        print(f"[demo] concurrent streams through the SDK, one per mode (filter with a quality budget, "
+        print(f"[demo] concurrent streams through the SDK, one per mode (filter with a token-agreement budget, "
               f"min_agreement {DEMO_BUDGET}){edge}:", flush=True)
         t0 = time.perf_counter()
         results = asyncio.run(_demo_requests(f"127.0.0.1:{cfg.grpc_port}", cfg.app_name, args.max_new_tokens,

@@ -105,11 +105,16 @@ class GrpcFront:
 
         response = await self.__call__(replayed(method, path, headers, body))
         yield response.status_code, list(response.raw_headers)
-        if isinstance(response, StreamingResponse):
+        if not isinstance(response, StreamingResponse):
+            yield response.body
+            return
+        try:
             async for part in response.body_iterator:
                 yield part if isinstance(part, bytes) else part.encode()
-        else:
-            yield response.body
+        finally:  # the front cancelled (its client went away): the stream frees its requests now, not at GC
+            aclose = getattr(response.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     # ---- the OpenAI-compatible HTTP front-end (Serve's HTTP proxy calls this) ---------------------
 

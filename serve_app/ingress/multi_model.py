@@ -1,5 +1,5 @@
-"""The front of a multi-model app (AppConfig.models): the one deployment Serve's gRPC proxy calls, which hands
-each call to the router of the model it names.
+"""The front of a multi-model app (AppConfig.models): the one deployment Serve's gRPC and HTTP proxies call,
+which hands each call to the router of the model it names (HTTP: serve_app.ingress.multi_model_http).
 
 Every model is a whole single-model calid app inside the Serve application (its own router, draft and
 target deployments: ``router-<name>``, ``draft-<name>``, ``target-<name>``), so queues, autoscaling, metrics
