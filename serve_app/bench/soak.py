@@ -560,7 +560,8 @@ def _report(result: dict, args) -> int:
     for name, slope in sorted(slopes.items(), key=lambda kv: -max(m for _, m in result["rss"][kv[0]])):
         pts = result["rss"][name]
         peak = max(m for _, m in pts) / 2**20
-        mb_h = "" if slope is None else f"{slope / 100 * statistics.fmean(m for _, m in pts) / 2**20:+8.1f} MB/h"
+        rss_h = _mb_per_hour(pts, skip)
+        mb_h = "" if rss_h is None else f"{rss_h:+8.1f} MB/h"
         anon_h = "" if anon[name] is None else f"anon {anon[name]:+7.1f} MB/h"
         life = "" if name in judged else f"   (lived {lives[name] / 60:.0f} min: not judged)"
         print(f"    {name:36} {'-' if slope is None else f'{slope:+.2f}%':>8} {mb_h:>12} {anon_h:>18}   "

@@ -53,8 +53,7 @@ class ModelFront:
         the context, for a model not served here."""
         group = self.models.get(model or self.default)
         if group is None:
-            set_grpc_status(grpc_context, Refused(grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here "
-                                                  f"(served: {', '.join(self.models)})"))
+            set_grpc_status(grpc_context, Refused(grpc.StatusCode.NOT_FOUND, self._unknown(model)))
             return None
         return least_loaded(group, self.in_flight, self._cores)
 
@@ -62,10 +61,13 @@ class ModelFront:
         """As _router for an HTTP request: the router's index, or a 404 naming the served models."""
         from serve_app.ingress.openai_wire import WireError
 
-        group = self.models.get(model or self.default)
-        if group is None:
-            raise WireError(404, f"model {model!r} is not served here (served: {', '.join(self.models)})", "model")
-        return least_loaded(group, self.in_flight, self._cores)
+        i = self._router(model, None)
+        if i is None:
+            raise WireError(404, self._unknown(model), "model")
+        return i
+
+    def _unknown(self, model: str) -> str:
+        return f"model {model!r} is not served here (served: {', '.join(self.models)})"
 
     async def _forward(self, router, method: str, request, grpc_context, empty):
         reply, code, details = await router.forwarded.remote(method, request, _metadata(grpc_context))
