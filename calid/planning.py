@@ -374,13 +374,15 @@ class _Spread:
 
     def __init__(self, certain: list[float], chains: list[tuple[tuple[float, float], ...]], weights: list[float],
                  offset: float, marginal: bool = False):
-        events = sorted([(x, -1, 1.0) for x in certain] + [(x, j, p) for j, o in enumerate(chains) for x, p in o])
+        events = sorted([(x, -1, 1.0) for x in certain] + [(x, j, p) for j, o in enumerate(chains) for x, p in o
+                                                             if p > 0.0])  # an outcome that cannot happen: none
         cum = [0.0]
         for w in weights:
             cum.append(cum[-1] + w)
         # fixed: requests surely still decoding at t; q: how many of the chains whose chance is strictly between
         # 0 and 1 at t are (a chain joins q at its first outcome and leaves at its last)
         chance, q, fixed = [1.0] * len(chains), [1.0], len(certain) + len(chains)
+        state = [0] * len(chains)  # a chain is fixed (0), in q (1), or done (2: its chance is spent)
         self.area, t0 = -offset * cum[len(weights)], 0.0
         self.knots: list[float] = []
         self.base: list[float] = []
@@ -397,8 +399,9 @@ class _Spread:
                 t0 = t
             if j == -1:
                 fixed -= 1
-            elif j >= 0:
-                if chance[j] == 1.0:
+            elif j >= 0 and state[j] < 2:  # (outcomes past a spent chance: rounding, nothing left to move)
+                if state[j] == 0:
+                    state[j] = 1
                     fixed -= 1
                     q.append(0.0)
                 else:
@@ -407,6 +410,7 @@ class _Spread:
                 if chance[j] > 1e-12:
                     _put(q, chance[j])
                 else:
+                    state[j] = 2
                     q.pop()
 
     def value(self, x: float) -> float:

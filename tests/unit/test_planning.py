@@ -4,6 +4,8 @@ import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from calid.planning import (AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, guard_bucket, plan_steps,
                             NO_END, _Problem, _Step, _search, split_cost, step_rate, step_seconds)
@@ -554,3 +556,23 @@ def test_every_choice_yields_on_average_what_its_estimate_says():
         assert list(r.survival(c)) == sorted(r.survival(c), reverse=True)
     deep = PlanInput(alpha=0.5, cap=4, lookahead_gain=6.0)
     assert deep.survival(Choice("lookahead", 4)) == (1.0,) * 4 and deep.tokens(Choice("lookahead", 4)) == 5.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.5, 40), max_size=3),
+       st.lists(st.lists(st.tuples(st.floats(0.5, 40), st.floats(0.01, 1.0)), min_size=1, max_size=4), max_size=4),
+       st.sampled_from([0.0, 1e-13, -1e-17]))
+def test_the_spread_of_linear_costs_is_the_sum_of_the_means(certain, chains, crumb):
+    """With every request's step weight 1, a cost to go is the sum of the tokens left, so its expectation is the
+    sum of the means, however the chains' outcomes interleave, and also with an outcome of chance 0, one a
+    rounding error below it, or a crumb past a chain's spent chance (which once emptied the sweep's queue)."""
+    from calid.planning import _Spread
+
+    fixed = []
+    for outcomes in chains:
+        total = sum(p for _, p in outcomes) or 1.0
+        fixed.append(tuple((x, p / total) for x, p in outcomes) + ((max(x for x, _ in outcomes) + 1.0, crumb),))
+    weights = [1.0] * (len(certain) + len(chains))
+    got = _Spread(certain, fixed, weights, 0.0).area
+    want = sum(certain) + sum(x * p for o in fixed for x, p in o if p > 0)
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-9)
