@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from calid.decoding.lookahead import LookaheadConfig
+from calid.decoding.grammar import GrammarTokens
 from calid.decoding.modes import DecodeParams
 from calid.generation import GenerationRequest, GenerationResult, RequestState, StreamEvent
 from calid.orchestrator import EngineConfigError, Orchestrator
@@ -64,8 +65,9 @@ class Engine:
         self.max_position = target.max_position
         self.orchestrator = Orchestrator(tokenizer, eos_ids, self.max_position, draft is not None, default_decode)
         self.orchestrator.sliced = getattr(target, "backend", None) == "llamacpp"  # see Orchestrator
-        self.verifier = TargetWorker(target, lookahead, shared_trie, max_forward_tokens)
-        self.drafter = (DraftWorker(draft, eos_ids, extra_drafts, max_forward_tokens)
+        tokens = GrammarTokens(tokenizer, target.vocab_size, eos_ids)  # structured output, built on first use
+        self.verifier = TargetWorker(target, lookahead, shared_trie, max_forward_tokens, tokens.masks())
+        self.drafter = (DraftWorker(draft, eos_ids, extra_drafts, max_forward_tokens, tokens.masks())
                         if draft is not None else None)
         self._calibrated = False  # auto mode: forward costs measured once, on first use
         self.times = StepTimes()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from calid.decoding.confidence import Threshold
+from calid.decoding.grammar import Grammar
 from calid.decoding.modes import DecodeParams
 from calid.decoding.sampling import Warp, make_generator
 from calid.errors import InvalidRequestError
@@ -24,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # structured output (calid.decoding.grammar)
 
     def validate(self) -> "SamplingParams":
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -36,11 +38,14 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if isinstance(self.stop, str):
             raise InvalidRequestError("stop must be a list of strings, not a single string")
+        if self.grammar is not None and self.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be set with a grammar: a complete grammar allows only "
+                                      "the end of sequence")
         return self
 
     @property
     def warp(self) -> Warp:
-        return Warp(self.temperature, self.top_k, self.top_p)
+        return Warp(self.temperature, self.top_k, self.top_p, self.grammar)
 
 
 @dataclass

@@ -221,7 +221,7 @@ class Orchestrator:
         if not self.draft_available:
             self.plain_step([s.req.request_id for s in states if s.req.request_id not in self._ngram_step])
         tasks = [DraftTask(s.req.request_id, s.token_ids, self.decode_of(s), s.req.params.warp, s.confidence.nll,
-                           self._draft_budget(s), _rng(s)) for s in states
+                           self._draft_budget(s), _rng(s), prompt_len=len(s.req.prompt_ids)) for s in states
                  if self.decode_of(s).uses_draft and not s.prefilling  # a draft is wasted while the target prefills
                  and s.req.request_id not in self._ngram_step]  # an n-gram chain needs no draft model
         for t in tasks:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import time
@@ -58,17 +59,31 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   top_k: int | None = None, seed: int | None = None, stop: list[str] | None = None,
                   mode: str = "", threshold: float | None = None, gamma: int | None = None,
                   raw_prompt: bool = False, ignore_eos: bool = False, model: str = "", logprobs: int | None = None,
-                  echo: bool = False, min_agreement: float | None = None) -> pb.GenerateRequest:
+                  echo: bool = False, min_agreement: float | None = None, json_schema: dict | str | None = None,
+                  json_object: bool = False, regex: str | None = None, grammar: str | None = None,
+                  tools: list[dict] | None = None, tool_choice: str = "") -> pb.GenerateRequest:
+    """One request; at most one of ``json_schema`` (a dict or JSON text), ``json_object``, ``regex`` and ``grammar``
+    (Lark) constrains the output (structured output). ``tools`` (OpenAI function definitions) and ``tool_choice``
+    (auto, none, required or a function's name): the calls come back in the text as the model's template writes
+    them (``calid.tool_calls.split_calls`` reads them)."""
     msg = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt or "", mode=mode,
                              raw_prompt=raw_prompt, ignore_eos=ignore_eos, stop=list(stop or []), model=model,
-                             echo=echo)
+                             echo=echo, tools=json.dumps(tools) if tools else "", tool_choice=tool_choice)
     for m in messages or []:
-        msg.messages.add(role=m["role"], content=m["content"])
+        msg.messages.add(role=m["role"], content=m.get("content") or "", tool_call_id=m.get("tool_call_id") or "",
+                         tool_calls=json.dumps(m["tool_calls"]) if m.get("tool_calls") else "")
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed), ("threshold", threshold), ("gamma", gamma),
                         ("logprobs", logprobs), ("min_agreement", min_agreement)):
         if value is not None:
             setattr(msg, name, value)
+    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", grammar)) if v is not None}
+    if json_object:
+        given["json_object"] = True
+    if len(given) > 1:
+        raise ValueError(f"give one of json_schema, json_object, regex, grammar, not {', '.join(given)}")
+    for kind, value in given.items():
+        setattr(msg.grammar, kind, json.dumps(value) if kind == "json_schema" and not isinstance(value, str) else value)
     return msg
 
 

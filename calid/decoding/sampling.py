@@ -8,8 +8,12 @@ greedy: the distribution is one-hot on the argmax.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from calid.decoding.grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,7 @@ class Warp:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    grammar: "Grammar | None" = None  # structured output: rows are masked to what it allows (calid.decoding.grammar)
 
     @property
     def greedy(self) -> bool:

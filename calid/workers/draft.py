@@ -14,10 +14,12 @@ from typing import Hashable
 import torch
 
 from calid.decoding.confidence import top1
+from calid.decoding.grammar import GrammarMasks, constrain
 from calid.decoding.sampling import argmax_rows, sample, warp
 from calid.decoding.tree import TokenTree
 from calid.runtime.runner import ModelRunner, SeqInput
-from calid.workers.messages import DraftResult, DraftTask, load_generator, require_full_ids, save_generator
+from calid.workers.messages import (DraftResult, DraftTask, grammar_entry, load_generator, require_full_ids,
+                                   save_generator)
 from calid.workers.target import MIN_CHUNK
 
 BRANCH_POINTS = 1  # unsure positions a tree chain branches at before it stops growing
@@ -71,8 +73,9 @@ class DraftWorker:
     """
 
     def __init__(self, runner: ModelRunner, eos_ids: frozenset[int], extra: list[ModelRunner] | tuple = (),
-                 max_forward_tokens: int | None = None):
+                 max_forward_tokens: int | None = None, grammar: GrammarMasks | None = None):
         self.runner = runner
+        self.grammar = grammar  # structured output: each request's grammar cursor (None: none served)
         self.max_forward_tokens = max_forward_tokens  # prompts longer than this are prefilled in chunks
         self.eos_ids = eos_ids
         self.extra = list(extra)
@@ -125,6 +128,8 @@ class DraftWorker:
     def release(self, request_ids: list[Hashable]) -> None:
         for rid in request_ids:
             self.runner.release(rid)
+            if self.grammar is not None:
+                self.grammar.release(rid)
             for chain in range(1, self._lanes.pop(rid, 1)):
                 self.runner.release(_lane_id(rid, chain))
             for k, runner in enumerate(self.extra):
@@ -135,6 +140,7 @@ class DraftWorker:
             inputs = [SeqInput(c.task.request_id, self.runner.sync(c.task.request_id, c.task.token_ids + c.tokens))
                       for c in live]
             rows = torch.cat(self.runner.forward(inputs))  # [B, V]
+            rows = constrain(self.grammar, rows, [grammar_entry(c.task, c.tokens) for c in live])
             best, nll = top1(rows)  # [B], [B]
             for c, row, row_nll, top in zip(live, rows, nll.tolist(), best.tolist()):
                 c.extend(row, row_nll, top)
@@ -158,26 +164,29 @@ class DraftWorker:
                 self._lanes[t.request_id] = t.decode.tree_chains
         while lanes:
             rows, nll = _forward_tips(
-                self.runner, [(_lane_id(t.request_id, j), t, tip) for t, j, tip, _ in lanes], trees
+                self.runner, self.grammar, [(_lane_id(t.request_id, j), t, tip) for t, j, tip, _ in lanes], trees
             )
             still = []
             for (t, j, tip, unsure_so_far), row, row_nll in zip(lanes, rows, nll.tolist()):
                 tree, decode = trees[t.request_id], t.decode
                 unsure = row_nll > t.confidence_nll
-                best = torch.topk(row, max(decode.tree_chains, decode.tree_width if unsure else 1)).indices.tolist()
+                top = torch.topk(row, max(decode.tree_chains, decode.tree_width if unsure else 1))
+                best = [i for i, v in zip(top.indices.tolist(), top.values.tolist()) if v > -math.inf]
+                best = best or top.indices.tolist()[:1]
                 new_tip = tree.add(best[0], tip)
                 if j == 0:
                     for alt in best[1 : decode.tree_width] if unsure else ():
                         tree.add(alt, tip)
                     if tip < 0:  # the other chains open with the next-best first tokens
-                        still += [[t, c, tree.add(best[c], -1), 0] for c in range(1, decode.tree_chains)]
+                        still += [[t, c, tree.add(best[c], -1), 0] for c in range(1, min(decode.tree_chains,
+                                                                                          len(best)))]
                 forwards[t.request_id] += 1
                 if unsure_so_far + unsure < BRANCH_POINTS:
                     still.append([t, j, new_tip, unsure_so_far + unsure])
             lanes = [lane for lane in still
                      if trees[lane[0].request_id].depth[lane[2]] < min(lane[0].decode.gamma, lane[0].budget)]
         for k, runner in enumerate(self.extra):
-            self._merge_extra_chain(runner, k, tasks, trees, forwards)
+            self._merge_extra_chain(runner, self.grammar, k, tasks, trees, forwards)
         return {t.request_id: DraftResult(t.request_id, [], None, True, trees[t.request_id], forwards[t.request_id])
                 for t in tasks}
 
@@ -200,7 +209,8 @@ class DraftWorker:
         for t in tasks:
             self._lanes[t.request_id] = t.decode.tree_chains
         while lanes:
-            rows, nll = _forward_tips(self.runner, [(_lane_id(t.request_id, j), t, tip) for t, j, tip in lanes], trees)
+            rows, nll = _forward_tips(self.runner, self.grammar,
+                                      [(_lane_id(t.request_id, j), t, tip) for t, j, tip in lanes], trees)
             still = []
             for (t, j, tip), row, row_nll in zip(lanes, rows, nll.tolist()):
                 rid, tree = t.request_id, trees[t.request_id]
@@ -223,11 +233,13 @@ class DraftWorker:
         return out
 
     @staticmethod
-    def _merge_extra_chain(runner: ModelRunner, k: int, tasks: list[DraftTask], trees: dict, forwards: dict) -> None:
+    def _merge_extra_chain(runner: ModelRunner, grammar: GrammarMasks | None, k: int, tasks: list[DraftTask],
+                           trees: dict, forwards: dict) -> None:
         """Grow one greedy chain per request with drafter ``k`` (dynamic length), merged into its tree."""
         live = [(t, -1) for t in tasks if min(t.decode.gamma, t.budget) > 0]
         while live:
-            rows, nll = _forward_tips(runner, [(_extra_lane(t.request_id, k), t, tip) for t, tip in live], trees)
+            lanes = [(_extra_lane(t.request_id, k), t, tip) for t, tip in live]
+            rows, nll = _forward_tips(runner, grammar, lanes, trees)
             still = []
             for (t, tip), token, row_nll in zip(live, argmax_rows(rows), nll.tolist()):
                 tree = trees[t.request_id]
@@ -238,16 +250,20 @@ class DraftWorker:
             live = still
 
 
-def _forward_tips(runner: ModelRunner, lanes: list[tuple], trees: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_tips(runner: ModelRunner, grammar: GrammarMasks | None, lanes: list[tuple], trees: dict
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batched forward over lanes ``(lane id, task, tip node)``, each fed its tree path after the
-    committed ids; returns the rows after each tip [lanes, V] and their top-1 NLL [lanes]."""
-    inputs = []
+    committed ids; returns the rows after each tip [lanes, V] (masked by the request's grammar) and their
+    top-1 NLL [lanes]."""
+    inputs, entries = [], []
     for lane, t, tip in lanes:
         tree = trees[t.request_id]
         chain = [tree.tokens[i] for i in tree.path(tip)] if tip >= 0 else []
         inputs.append(SeqInput(lane, runner.sync(lane, t.token_ids + chain)))
-    rows = torch.cat(runner.forward(inputs))
+        entries.append(grammar_entry(t, chain))
+    rows = constrain(grammar, torch.cat(runner.forward(inputs)), entries)
     return rows, top1(rows)[1]
+
 
 
 def _fitting(tasks: list[DraftTask], cap: int | None) -> list[list[DraftTask]]:

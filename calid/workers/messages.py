@@ -37,6 +37,7 @@ class DraftTask:
     budget: int  # most draft tokens worth proposing now (0: draft nothing)
     rng: torch.Tensor | None = None  # generator state of a sampled request
     ids_from: int = 0  # token_ids holds the committed ids from this position on (0: all of them)
+    prompt_len: int = 0  # how many of token_ids are the prompt (a grammar constrains the ids after them)
 
 
 @dataclass
@@ -103,6 +104,13 @@ class ScoreResult:
     request_id: Hashable
     logprobs: list[float]  # one per scored position
     top: list[list[tuple[int, float]]]  # per position, the top_k (token id, log-probability), most likely first
+
+
+def grammar_entry(t: DraftTask | VerifyTask, extra: list[int]) -> tuple | None:
+    """What ``calid.decoding.grammar.constrain`` needs of task ``t`` for the row after its committed ids and
+    ``extra`` (None: the request has no grammar)."""
+    g = t.warp.grammar
+    return None if g is None else (t.request_id, g, t.token_ids[t.prompt_len:] + extra)
 
 
 def load_generator(state: torch.Tensor | None, device: torch.device | str = "cpu") -> torch.Generator | None:

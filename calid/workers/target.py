@@ -23,6 +23,7 @@ from typing import Hashable
 import torch
 
 from calid.decoding.acceptance import RuleInput, get_rule
+from calid.decoding.grammar import GrammarMasks, constrain
 from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
 from calid.decoding.sampling import argmax_rows, warp
 from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled, verify_stochastic
@@ -32,6 +33,7 @@ from calid.workers.messages import (
     ScoreTask,
     VerifyResult,
     VerifyTask,
+    grammar_entry,
     load_generator,
     require_full_ids,
     save_generator,
@@ -64,8 +66,9 @@ class TargetWorker:
     None: no budget, every prompt is prefilled in one forward."""
 
     def __init__(self, runner: ModelRunner, lookahead: LookaheadConfig | None = None, shared_trie: bool = True,
-                 max_forward_tokens: int | None = None):
+                 max_forward_tokens: int | None = None, grammar: GrammarMasks | None = None):
         self.runner = runner
+        self.grammar = grammar  # structured output: each request's grammar cursor (None: none served)
         self.max_forward_tokens = max_forward_tokens
         self.lookahead_cfg = lookahead or LookaheadConfig()
         self.shared_trie = shared_trie
@@ -96,6 +99,8 @@ class TargetWorker:
         """Free finished requests. Their prompts leave the shared trie; their output (``final_ids``) stays."""
         for rid in request_ids:
             self.runner.release(rid)
+            if self.grammar is not None:
+                self.grammar.release(rid)
             seen = self._trie_seen.pop(rid, None)
             if seen is None:
                 continue
@@ -240,6 +245,13 @@ class TargetWorker:
     def _chain_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
         verifying = t.decode.mode in ("speculative", "rollback")
         audit, end = None, len(t.token_ids) + len(t.draft)
+        if t.warp.grammar is not None:  # row j comes after the first end - len(rows) + 1 + j ids
+            cut = len(t.token_ids) - (end - len(rows) + 1)  # rows before the committed ids' end: audit rows
+            rows = constrain(self.grammar, rows, [
+                grammar_entry(t, t.draft[: j - cut]) if j >= cut else
+                grammar_entry(replace(t, token_ids=t.token_ids[: len(t.token_ids) - (cut - j)]), [])
+                if len(t.token_ids) - (cut - j) >= t.prompt_len else None
+                for j in range(len(rows))])
         if not verifying and len(rows) > 1:  # filter audit rows: does each id equal the target's top-1?
             ids = (t.token_ids + t.draft)[end - len(rows) + 1:]
             audit = [a == b for a, b in zip(argmax_rows(rows[:-1]), ids)]
@@ -298,6 +310,9 @@ class TargetWorker:
 
     def _tree_verdict(self, t: VerifyTask, tree: TokenTree, rows: torch.Tensor) -> VerifyResult:
         generator = load_generator(t.rng, rows.device)
+        if t.warp.grammar is not None:  # row 0 comes after the committed ids, row i + 1 after tree node i
+            rows = constrain(self.grammar, rows, [grammar_entry(t, [])] + [
+                grammar_entry(t, [tree.tokens[k] for k in tree.path(i)]) for i in range(len(tree))])
         if t.warp.greedy:
             verdict = verify_greedy(tree, argmax_rows(rows))
         elif t.q is not None:  # i.i.d. sampled children (SpecInfer): multi-step speculative sampling

@@ -7,9 +7,11 @@ and ``from_status`` give every refusal OpenAI's error shape and the matching HTT
 
 Fields (docs/openai-api.md has the table): the ones calid serves are translated; the
 ones that change nothing here (``user``, ``metadata``, ``store``, null values, unknown names) are ignored,
-as the reference servers do; the ones whose meaning calid cannot honour (tools, a JSON response format,
+as the reference servers do; the ones whose meaning calid cannot honour (tools,
 non-zero penalties, ``logit_bias``, ``suffix``, ``best_of`` > 1) are refused with a 400 naming the field,
-never silently dropped. ``n`` > 1 is served as n requests per prompt (``choices``).
+never silently dropped. ``n`` > 1 is served as n requests per prompt (``choices``). ``response_format``
+(json_object, json_schema) and ``structured_outputs`` (json, regex, grammar) constrain the output
+(calid.decoding.grammar).
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from calid import tool_calls
+from calid.decoding.grammar import Grammar
+from calid.errors import InvalidRequestError
 from calid.v1 import calid_pb2 as pb
 from serve_app.ingress.protocol import MAX_LOGPROBS, stats
 
@@ -29,7 +34,7 @@ U32, U64 = 2**32 - 1, 2**64 - 1
 MAX_PROMPTS = 64  # prompts in one completions request (each is one request on the path)
 MAX_N = 16  # choices per prompt (each is one request on the path; prompts x n at most MAX_PROMPTS)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 STATUS = {  # gRPC status of the request path -> HTTP status
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
@@ -100,6 +105,7 @@ class Options:
     logprobs: int | None = None  # alternatives per token, when logprobs were asked for
     echo: bool = False
     n: int = 1  # choices per prompt: choice p * n + j is prompt p's j-th
+    tool_names: frozenset[str] = frozenset()  # chat with tools: the functions whose calls the reply returns
 
 
 # ---- fields ------------------------------------------------------------------------------------
@@ -129,15 +135,10 @@ def _refuse_unsupported(body: dict) -> None:
     best_of = _field(body, "best_of", "int", 1, U32)
     if best_of not in (None, 1):
         raise WireError(400, "best_of must be 1", "best_of")
-    for name in ("tools", "functions", "logit_bias", "suffix"):
+    for name in ("functions", "logit_bias", "suffix"):
         if body.get(name):
-            raise WireError(400, f"{name} is not supported by calid", name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise WireError(400, "tool_choice is not supported by calid (tools are not served)", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
-        raise WireError(400, "response_format must be text: calid does not constrain output to JSON",
-                        "response_format")
+            raise WireError(400, f"{name} is not supported by calid" + (" (use tools)" if name == "functions" else ""),
+                            name)
     for name in ("presence_penalty", "frequency_penalty"):
         if _field(body, name, "number") not in (None, 0):
             raise WireError(400, f"{name} is not supported by calid (only 0)", name)
@@ -174,6 +175,9 @@ def _common(body: dict, default_max_tokens: int | None) -> tuple[pb.GenerateRequ
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise WireError(400, "stop must be a string or a list of strings", "stop")
         msg.stop.extend(s for s in stop if s)
+    grammar = _grammar(body)
+    if grammar is not None:
+        msg.grammar.CopyFrom(grammar)
     stream = bool(_field(body, "stream", "bool"))
     opts = Options(model=model, stream=stream, n=_field(body, "n", "int", 1, MAX_N) or 1)
     so = body.get("stream_options")
@@ -182,6 +186,70 @@ def _common(body: dict, default_max_tokens: int | None) -> tuple[pb.GenerateRequ
             raise WireError(400, "stream_options must be an object", "stream_options")
         opts.include_usage = stream and bool(_field(so, "include_usage", "bool"))
     return msg, opts
+
+
+def _tools(body: dict, msg: pb.GenerateRequest, opts: "Options") -> None:
+    """``tools`` and ``tool_choice`` onto the request; ``opts.tool_names``: the calls the reply may hold."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise WireError(400, "tool_choice needs tools", "tool_choice")
+        return
+    try:
+        tools = tool_calls.check_tools(tools)
+    except InvalidRequestError as e:
+        raise WireError(400, str(e), "tools") from None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        choice = choice["function"].get("name")
+    try:
+        choice = tool_calls.check_choice(choice if choice is not None else "auto", tools)
+    except InvalidRequestError as e:
+        raise WireError(400, str(e), "tool_choice") from None
+    if choice != "auto" and msg.HasField("grammar"):
+        raise WireError(400, "response_format and a tool_choice that asks for calls cannot both hold", "tool_choice")
+    msg.tools, msg.tool_choice = json.dumps(tools), choice
+    if choice != "none":
+        opts.tool_names = frozenset(t["function"]["name"] for t in tools)
+
+
+def _grammar(body: dict) -> pb.Grammar | None:
+    """``response_format`` (OpenAI: text, json_object, json_schema) or calid's ``structured_outputs`` (as vLLM
+    names it: one of json, regex, grammar (Lark)) as the request's Grammar, compiled here so that a bad one is
+    a 400 naming its field."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and so is not None:
+        raise WireError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+    if fmt is not None:
+        param = "response_format"
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise WireError(400, "response_format.type must be text, json_object or json_schema", param)
+        if fmt["type"] == "text":
+            return None
+        if fmt["type"] == "json_object":
+            kind, source = "json_object", ""
+        else:
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise WireError(400, "response_format.json_schema must be an object with a schema object", param)
+            kind, source = "json_schema", json.dumps(spec.get("schema", {}))
+    elif so is not None:
+        param = "structured_outputs"
+        given = [k for k in ("json", "regex", "grammar") if isinstance(so, dict) and so.get(k) is not None]
+        if len(given) != 1:
+            raise WireError(400, "structured_outputs must have exactly one of json, regex, grammar", param)
+        kind = {"json": "json_schema", "regex": "regex", "grammar": "lark"}[given[0]]
+        source = so[given[0]]
+        if kind == "json_schema" and not isinstance(source, str):
+            source = json.dumps(source)
+        if not isinstance(source, str):
+            raise WireError(400, f"structured_outputs.{given[0]} must be a string", param)
+    else:
+        return None
+    try:
+        Grammar.compile(kind, source)
+    except InvalidRequestError as e:
+        raise WireError(400, f"{param}: {e}", param) from None
+    return pb.Grammar(json_object=True) if kind == "json_object" else pb.Grammar(**{kind: source})
 
 
 def _content(m: dict, i: int) -> str:
@@ -224,7 +292,12 @@ def chat_request(body: dict) -> tuple[pb.GenerateRequest, Options]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise WireError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", "messages")
-        msg.messages.add(role=ROLES[m["role"]], content=_content(m, i))
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls is not None and not isinstance(calls, list):
+            raise WireError(400, f"messages[{i}].tool_calls must be a list", "messages")
+        msg.messages.add(role=ROLES[m["role"]], content=_content(m, i), tool_calls=json.dumps(calls) if calls else "",
+                         tool_call_id=str(m.get("tool_call_id") or ""))
+    _tools(body, msg, opts)
     if _field(body, "logprobs", "bool"):
         opts.logprobs = _field(body, "top_logprobs", "int", 0, MAX_LOGPROBS) or 0
         msg.logprobs = opts.logprobs
@@ -235,6 +308,9 @@ def chat_request(body: dict) -> tuple[pb.GenerateRequest, Options]:
 
 def completion_requests(body: dict) -> tuple[list[pb.GenerateRequest], Options]:
     """One GenerateRequest per prompt (a string, a list of strings, a list of token ids, or a list of those)."""
+    for name in ("tools", "tool_choice"):
+        if body.get(name) is not None:
+            raise WireError(400, f"{name} is for chat completions (/v1/chat/completions)", name)
     msg, opts = _common(body, 16)  # OpenAI's default max_tokens for completions
     prompts = _prompts(body.get("prompt"))
     opts.logprobs = _field(body, "logprobs", "int", 0, MAX_LOGPROBS)
@@ -295,6 +371,7 @@ class Reply:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # completions logprobs: text offset reached, per choice
+        self._held: dict[int, str] = {}  # chat with tools, streamed: text held back while it may be a call
 
     def _token(self, token_id: int) -> str:
         return self.decode([token_id])
@@ -344,12 +421,40 @@ class Reply:
             return "", []
         return self.decode(out.prompt_ids), out.prompt_logprobs
 
+    def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A chat message's fields (content, or the tool calls it holds) and its finish reason."""
+        content, calls = tool_calls.split_calls(text, self.opts.tool_names) if self.opts.tool_names else (text, [])
+        if calls:
+            return {"content": content, "tool_calls": calls}, "tool_calls"
+        return {"content": text}, finish
+
+    def _tool_delta(self, index: int, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """Streamed chat with tools: text goes out as it comes unless it may be the start of a call; a call is
+        sent whole, in the choice's last chunk (each call with its index, as OpenAI streams them)."""
+        if index in self._held and self._held[index] is None:  # plain text, already flowing
+            return {"content": text}, finish
+        held = self._held.get(index, "") + text
+        if finish is not None:
+            fields, finish = self._message(held, finish)
+            if fields.get("tool_calls"):
+                fields["tool_calls"] = [{"index": k, **c} for k, c in enumerate(fields["tool_calls"])]
+            return fields, finish
+        if tool_calls.may_be_a_call(held):
+            self._held[index] = held
+            return {}, None
+        self._held[index] = None  # plain text: no call follows
+        return {"content": held}, None
+
     def chunk(self, index: int, out, first: bool) -> dict:
         """One SSE chunk for ``out``, the ``index``-th choice's next Output."""
         finish = FINISH.get(out.result.finish_reason) if out.result is not None else None
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
-            choice = {"index": index, "delta": delta if out.text or first or finish is None else {},
+            fields = {"content": out.text}
+            if self.opts.tool_names:
+                fields, finish = self._tool_delta(index, out.text, finish)
+            delta = {"role": "assistant", **fields} if first else fields
+            choice = {"index": index, "delta": delta if fields.get("content") or fields.get("tool_calls") or first
+                      or finish is None else {},
                       "logprobs": self._chat_logprobs(out.logprobs) if out.logprobs else None,
                       "finish_reason": finish}
             obj = self._head("chat.completion.chunk")
@@ -383,7 +488,8 @@ class Reply:
         for i, out in enumerate(outs):
             finish = FINISH.get(out.result.finish_reason)
             if self.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": out.text},
+                fields, finish = self._message(out.text, finish)
+                choices.append({"index": i, "message": {"role": "assistant", **fields},
                                 "logprobs": self._chat_logprobs(out.logprobs), "finish_reason": finish})
             else:
                 echo_text, echo_lp = self._echo(out)

@@ -1,16 +1,19 @@
 """calid.v1 protobuf messages <-> engine types, with field checks that name the field."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
+from calid import tool_calls
+from calid.decoding.grammar import Grammar
 from calid.decoding.modes import DecodeParams
 from calid.errors import InvalidRequestError
 from calid.generation import GenerationRequest, GenerationResult, SamplingParams
 from calid.text import encode_prompt
 from calid.v1 import calid_pb2 as pb
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,39 @@ def prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
         for i, m in enumerate(msg.messages):
             if m.role not in ROLES:
                 raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}")
-        return encode_prompt(tokenizer, [{"role": m.role, "content": m.content} for m in msg.messages])
+        messages = [_message(m, i) for i, m in enumerate(msg.messages)]
+        if msg.tools or any(m.tool_calls or m.role == "tool" for m in msg.messages):
+            text = tool_calls.prompt_text(tokenizer, messages, tools_of(msg))
+            return tokenizer(text, add_special_tokens=False).input_ids
+        return encode_prompt(tokenizer, messages)
     if not msg.prompt:
         raise InvalidRequestError("prompt is empty (set prompt or messages)")
     return encode_prompt(tokenizer, msg.prompt, chat=not msg.raw_prompt)
+
+
+def _message(m: pb.ChatMessage, i: int) -> dict:
+    out = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        try:
+            out["tool_calls"] = json.loads(m.tool_calls)
+            assert isinstance(out["tool_calls"], list) and all(isinstance(c["function"]["name"], str)
+                                                                for c in out["tool_calls"])
+        except (ValueError, AssertionError, KeyError, TypeError):
+            raise InvalidRequestError(f"messages[{i}].tool_calls must be a JSON array of OpenAI tool calls") from None
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def tools_of(msg: pb.GenerateRequest) -> list[dict] | None:
+    """The request's tools, checked (None when it has none)."""
+    if not msg.tools:
+        return None
+    try:
+        tools = json.loads(msg.tools)
+    except ValueError:
+        raise InvalidRequestError("tools must be a JSON array of function definitions") from None
+    return tool_calls.check_tools(tools)
 
 
 def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits: Limits = Limits()
@@ -84,6 +116,7 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        grammar=grammar_of(msg, tokenizer),
     ).validate()
     budget = msg.min_agreement if msg.HasField("min_agreement") else None
     if budget is not None and msg.HasField("threshold"):
@@ -99,6 +132,24 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequestError(f"prompt is {len(ids)} tokens, over the server's limit of {limits.max_prompt_tokens}")
     return GenerationRequest(ids, params, None, decode)
+
+
+def grammar_of(msg: pb.GenerateRequest, tokenizer) -> Grammar | None:
+    """The request's structured-output constraint, compiled (InvalidRequestError names what is wrong): its
+    grammar, or the calls its tool_choice asks for."""
+    tools = tools_of(msg)
+    if msg.tool_choice and not tools:
+        raise InvalidRequestError("tool_choice needs tools")
+    calls = tools and tool_calls.call_grammar(tools, tool_calls.check_choice(msg.tool_choice or "auto", tools),
+                                              tokenizer)
+    if calls and msg.HasField("grammar"):
+        raise InvalidRequestError("a grammar and a tool_choice that asks for calls cannot both hold: give one")
+    if calls or not msg.HasField("grammar"):
+        return calls or None
+    kind = msg.grammar.WhichOneof("kind")
+    if kind is None or kind == "json_object" and not msg.grammar.json_object:
+        raise InvalidRequestError("grammar is set but empty: give json_schema, json_object, regex or lark")
+    return Grammar.compile(kind, "" if kind == "json_object" else getattr(msg.grammar, kind))
 
 
 def stats(result: GenerationResult, mode: str) -> pb.RequestStats:

@@ -217,6 +217,9 @@ class Router(GrpcFront):
                 raise InvalidRequestError("logprobs and echo are not served for Collaborate requests")
             if max(req.prompt_ids) >= self.vocab_size:
                 raise InvalidRequestError(f"prompt token ids must be below the vocabulary size {self.vocab_size}")
+            if req.params.grammar is not None and self.cfg.sharded:
+                raise InvalidRequestError("structured output and tool_choice required/named are not served by a "
+                                          "sharded target (target_tp/target_pp > 1)")
         except CalidError as e:
             raise self.refuse(mode, grpc.StatusCode.INVALID_ARGUMENT, str(e), frontend) from None
         if self._full():  # others were admitted while this one was tokenized

@@ -21,6 +21,7 @@ import torch
 from ray import serve
 
 from calid.backends import open_draft, open_model, pick_dtype
+from calid.decoding.grammar import GrammarTokens
 from calid.workers import DraftWorker, TargetWorker
 from serve_app.router.autoscaling import DEMAND, PENDING, QUEUE
 from serve_app.router.calls import Reply, expand_all
@@ -254,7 +255,8 @@ class DraftDeployment(_WorkerBase):
                         cfg.worker_threads, show_progress=False, log=_log, invariant=cfg.batch_invariant,
                         prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights)
         self._runner = lm.runner
-        self.worker = DraftWorker(self._runner, lm.eos_ids, max_forward_tokens=cfg.max_forward_tokens)
+        self.worker = DraftWorker(self._runner, lm.eos_ids, max_forward_tokens=cfg.max_forward_tokens,
+                                  grammar=GrammarTokens(lm.tokenizer, self._runner.vocab_size, lm.eos_ids).masks())
 
     async def draft(self, tasks: list, report: dict | None = None, replica: str | None = None) -> Reply:
         """``replica``: the replica the router meant this call for (serve_app.router.replica_routing); any replica
@@ -300,7 +302,8 @@ class TargetDeployment(_WorkerBase):
                         show_progress=False, log=_log, graphs="cuda" if cfg.cuda_graphs else "off",
                         invariant=cfg.batch_invariant, prompt_cache=cfg.prompt_cache)
         self._runner = lm.runner
-        self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens)
+        self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens,
+                                   grammar=GrammarTokens(lm.tokenizer, self._runner.vocab_size, lm.eos_ids).masks())
 
     def _cached(self) -> int:
         return self.worker.cached() if self.cfg.sharded else self._runner.cached_count()

@@ -48,7 +48,14 @@ def test_chat_defaults_and_precedence():
         ({"n": 1.5}, "n"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+         "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "grammar": "start: /b/"}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"max_tokens": True}, "max_tokens"),
         ({"max_tokens": "12"}, "max_tokens"),
@@ -63,7 +70,7 @@ def test_chat_defaults_and_precedence():
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"model": 3}, "model"),
     ],
@@ -180,3 +187,86 @@ def test_chat_stream_chunks_and_usage():
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
     assert wire.sse(usage).startswith("data: {") and wire.sse(usage).endswith("}\n\n")
     assert json.loads(wire.sse(usage)[6:]) == usage
+
+
+def test_response_formats_and_structured_outputs_become_the_request_grammar():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    msg, _ = wire.chat_request({**CHAT, "response_format": {"type": "json_schema",
+                                                            "json_schema": {"name": "x", "schema": schema,
+                                                                            "strict": True}}})
+    assert json.loads(msg.grammar.json_schema) == schema
+    msg, _ = wire.chat_request({**CHAT, "response_format": {"type": "json_object"}})
+    assert msg.grammar.WhichOneof("kind") == "json_object" and msg.grammar.json_object
+    msg, _ = wire.chat_request({**CHAT, "response_format": {"type": "text"}})
+    assert not msg.HasField("grammar")
+    msg, _ = wire.chat_request({**CHAT, "structured_outputs": {"json": schema}})
+    assert json.loads(msg.grammar.json_schema) == schema
+    msgs, _ = wire.completion_requests({"prompt": ["a", "b"], "structured_outputs": {"regex": "[0-9]{3}"}})
+    assert [m.grammar.regex for m in msgs] == ["[0-9]{3}"] * 2
+    msg, _ = wire.chat_request({**CHAT, "structured_outputs": {"grammar": 'start: "yes" | "no"'}})
+    assert msg.grammar.lark == 'start: "yes" | "no"'
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                              "parameters": CITY}}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _out(text: str, finish: str | None = "eos"):
+    result = None if finish is None else GenerationResult("r", 3, [1, 2], text, finish, 0.1, 0.2, DecodeStats())
+    return Output(text, [1, 2], [], result)
+
+
+def test_tools_and_tool_choice_reach_the_request_and_the_reply_returns_calls():
+    msg, opts = wire.chat_request({**CHAT, "tools": WEATHER, "tool_choice": "required"})
+    assert json.loads(msg.tools) == WEATHER and msg.tool_choice == "required"
+    assert opts.tool_names == {"get_weather"}
+    msg, _ = wire.chat_request({**CHAT, "tools": WEATHER,
+                                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert msg.tool_choice == "get_weather"
+    msg, opts = wire.chat_request({**CHAT, "tools": WEATHER, "tool_choice": "none"})
+    assert not opts.tool_names
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    msg, _ = wire.chat_request({**CHAT, "messages": history, "tools": WEATHER})
+    assert [m.role for m in msg.messages] == ["user", "assistant", "tool"]
+    assert json.loads(msg.messages[1].tool_calls)[0]["id"] == "c1" and msg.messages[2].tool_call_id == "c1"
+
+    _, opts = wire.chat_request({**CHAT, "tools": WEATHER})
+    reply = wire.Reply("chat", opts, "m", lambda ids: "", ["ar"])
+    choice = reply.whole([_out(CALL_TEXT)])["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and call["type"] == "function"
+    assert reply.whole([_out("It is sunny.")])["choices"][0]["message"] == {"role": "assistant",
+                                                                            "content": "It is sunny."}
+
+
+def test_streamed_calls_are_held_back_and_sent_whole_and_plain_text_flows():
+    _, opts = wire.chat_request({**CHAT, "tools": WEATHER})
+    reply = wire.Reply("chat", opts, "m", lambda ids: "", ["ar"])
+    parts = [reply.chunk(0, _out(t, None), i == 0)["choices"][0] for i, t in enumerate(["<tool", "_call>\n{"])]
+    assert all("content" not in p["delta"] or not p["delta"]["content"] for p in parts)
+    last = reply.chunk(0, _out(CALL_TEXT[len("<tool_call>\n{"):]), False)["choices"][0]
+    assert last["finish_reason"] == "tool_calls" and last["delta"]["tool_calls"][0]["index"] == 0
+    assert json.loads(last["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    reply = wire.Reply("chat", opts, "m", lambda ids: "", ["ar"])
+    said = [reply.chunk(0, _out(t, None if t != "." else "eos"), i == 0)["choices"][0]
+            for i, t in enumerate(["It", " is sunny", "."])]
+    assert "".join(p["delta"].get("content") or "" for p in said) == "It is sunny."
+    assert said[0]["delta"]["content"] == "It" and said[-1]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+    ({"tools": WEATHER, "tool_choice": "get_time"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": WEATHER * 2}, "tools"),
+])
+def test_bad_tools_are_400_naming_the_field(extra, param):
+    with pytest.raises(wire.WireError) as e:
+        wire.chat_request({**CHAT, **extra})
+    assert e.value.status == 400 and e.value.param == param
