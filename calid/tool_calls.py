@@ -55,9 +55,10 @@ def check_choice(choice: str, tools: list[dict]) -> str:
     raise InvalidRequestError(f"tool_choice must be none, auto, required or a function of tools, got {choice!r}")
 
 
-def call_grammar(tools: list[dict], choice: str, tokenizer) -> Grammar | None:
-    """One or more calls of ``tools`` (or of the one named by ``choice``), each call's arguments under its
-    function's schema; None when the model chooses (auto) or calls nothing (none)."""
+def call_grammar(tools: list[dict], choice: str, tokenizer, parallel: bool = True) -> Grammar | None:
+    """Calls of ``tools`` (``required``: one, or one or more with ``parallel``) or one call of the function
+    ``choice`` names, each call's arguments under its function's schema; None when the model chooses (auto) or
+    calls nothing (none)."""
     if choice in ("none", "auto"):
         return None
     chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
@@ -65,7 +66,8 @@ def call_grammar(tools: list[dict], choice: str, tokenizer) -> Grammar | None:
                                                "arguments": f.get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
     schema = {"anyOf": calls, "x-guidance": JSON_LAYOUT}
-    lark = (f"start: call (\"\\n\" call)*\ncall: open \"\\n\" body \"\\n\" close\n"
+    more = '("\\n" call)*' if parallel and choice == "required" else ""
+    lark = (f"start: call {more}\ncall: open \"\\n\" body \"\\n\" close\n"
             f"open: {_literal(tokenizer, OPEN)}\nclose: {_literal(tokenizer, CLOSE)}\n"
             f"body: %json {json.dumps(schema)}")
     return Grammar.compile("lark", lark)
@@ -127,11 +129,14 @@ CALL = re.compile(re.escape(OPEN) + r"\s*(\{.*?\})\s*" + re.escape(CLOSE), re.S)
 
 def split_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
     """(the text before the first call, or None if there is none, and the calls) when ``text`` holds calls
-    of ``names`` in the template's format, else (text, [])."""
+    of ``names`` in the template's format, or is nothing but such a call's JSON object (small models calling
+    on their own often leave the tags out), else (text, [])."""
+    found = [m.group(1) for m in CALL.finditer(text)]
+    bare = not found and text.strip().startswith("{")
     calls = []
-    for m in CALL.finditer(text):
+    for raw in found or ([text.strip()] if bare else []):
         try:
-            obj = json.loads(m.group(1))
+            obj = json.loads(raw)
         except ValueError:
             return text, []
         if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments", {}), dict):
@@ -140,11 +145,11 @@ def split_calls(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
                       "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}})
     if not calls:
         return text, []
-    before = text[: text.index(OPEN)].strip()
+    before = "" if bare else text[: text.index(OPEN)].strip()
     return before or None, calls
 
 
 def may_be_a_call(text: str) -> bool:
     """Whether streamed text so far may still turn out to be a call (hold it back until it is known)."""
     head = text.lstrip()
-    return head.startswith(OPEN) or OPEN.startswith(head)
+    return head.startswith((OPEN, "{")) or OPEN.startswith(head)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -139,6 +140,8 @@ class GrammarMasks:
     def __init__(self, tokens: GrammarTokens):
         self.tokens = tokens
         self._cursors: dict[Hashable, tuple[Grammar, _Cursor]] = {}
+        self.rows = 0  # rows masked so far, and the seconds it took (moving the cursor, the mask, applying it)
+        self.seconds = 0.0
 
     def _cursor(self, key: Hashable, grammar: Grammar) -> _Cursor:
         held = self._cursors.get(key)
@@ -161,10 +164,13 @@ class GrammarMasks:
         for i, entry in enumerate(entries):
             if entry is None:
                 continue
+            start = time.perf_counter()
             key, grammar, prefix = entry
             cursor = self._cursor(key, grammar)
             if cursor.move(prefix):
                 out[i].masked_fill_(self._forbidden(cursor.matcher, out.shape[-1]).to(out.device), float("-inf"))
+            self.rows += 1
+            self.seconds += time.perf_counter() - start
         return out
 
     @staticmethod

@@ -265,7 +265,6 @@ def _forward_tips(runner: ModelRunner, grammar: GrammarMasks | None, lanes: list
     return rows, top1(rows)[1]
 
 
-
 def _fitting(tasks: list[DraftTask], cap: int | None) -> list[list[DraftTask]]:
     """``tasks`` in consecutive groups whose draft lanes (a tree's chains, else one) fit ``cap`` sequences."""
     if cap is None:

@@ -245,13 +245,8 @@ class TargetWorker:
     def _chain_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
         verifying = t.decode.mode in ("speculative", "rollback")
         audit, end = None, len(t.token_ids) + len(t.draft)
-        if t.warp.grammar is not None:  # row j comes after the first end - len(rows) + 1 + j ids
-            cut = len(t.token_ids) - (end - len(rows) + 1)  # rows before the committed ids' end: audit rows
-            rows = constrain(self.grammar, rows, [
-                grammar_entry(t, t.draft[: j - cut]) if j >= cut else
-                grammar_entry(replace(t, token_ids=t.token_ids[: len(t.token_ids) - (cut - j)]), [])
-                if len(t.token_ids) - (cut - j) >= t.prompt_len else None
-                for j in range(len(rows))])
+        if t.warp.grammar is not None:
+            rows = constrain(self.grammar, rows, _chain_entries(t, len(rows)))
         if not verifying and len(rows) > 1:  # filter audit rows: does each id equal the target's top-1?
             ids = (t.token_ids + t.draft)[end - len(rows) + 1:]
             audit = [a == b for a, b in zip(argmax_rows(rows[:-1]), ids)]
@@ -323,6 +318,15 @@ class TargetWorker:
         self.runner.compact(t.request_id, [committed + i for i in verdict.path], start=committed)
         tokens = [tree.tokens[i] for i in verdict.path] + [verdict.next_token]
         return VerifyResult(t.request_id, tokens, len(verdict.path), tree.max_depth, True, save_generator(generator))
+
+
+def _chain_entries(t: VerifyTask, n: int) -> list:
+    """What ``constrain`` needs for a chain's ``n`` logits rows: row j comes after the first len(ids) - n + 1 + j
+    of its ids (committed, then draft; rows before the prompt's end, none)."""
+    ids = t.token_ids + t.draft
+    first = len(ids) - n + 1
+    return [grammar_entry(replace(t, token_ids=ids[: first + j]), []) if first + j >= t.prompt_len else None
+            for j in range(n)]
 
 
 def _runs_on(t: VerifyTask, r: VerifyResult) -> bool:

@@ -6,10 +6,11 @@ subcommands) and sets the function that runs it.
 """
 from __future__ import annotations
 
-from calid.bench import (ar, decode, dtype, gpu, invariance, parallel, quality_curve, sarathi, step, trees)
+from calid.bench import (ar, decode, dtype, gpu, invariance, parallel, quality_curve, sarathi, step, structured,
+                         trees)
 from serve_app.bench import edge_drafting, hostile, http, load, modes, peers, placement_live, serve, soak
 
-ENGINE = (ar, decode, quality_curve, trees, sarathi, parallel, dtype, step, invariance, gpu)
+ENGINE = (ar, decode, quality_curve, trees, sarathi, parallel, dtype, step, invariance, gpu, structured)
 SERVED = (serve, hostile, edge_drafting, load, http, modes, peers, placement_live, soak)
 
 

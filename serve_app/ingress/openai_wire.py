@@ -208,6 +208,9 @@ def _tools(body: dict, msg: pb.GenerateRequest, opts: "Options") -> None:
     if choice != "auto" and msg.HasField("grammar"):
         raise WireError(400, "response_format and a tool_choice that asks for calls cannot both hold", "tool_choice")
     msg.tools, msg.tool_choice = json.dumps(tools), choice
+    parallel = _field(body, "parallel_tool_calls", "bool")
+    if parallel is not None:
+        msg.parallel_tool_calls = parallel
     if choice != "none":
         opts.tool_names = frozenset(t["function"]["name"] for t in tools)
 

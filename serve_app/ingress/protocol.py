@@ -140,8 +140,9 @@ def grammar_of(msg: pb.GenerateRequest, tokenizer) -> Grammar | None:
     tools = tools_of(msg)
     if msg.tool_choice and not tools:
         raise InvalidRequestError("tool_choice needs tools")
+    parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True
     calls = tools and tool_calls.call_grammar(tools, tool_calls.check_choice(msg.tool_choice or "auto", tools),
-                                              tokenizer)
+                                              tokenizer, parallel)
     if calls and msg.HasField("grammar"):
         raise InvalidRequestError("a grammar and a tool_choice that asks for calls cannot both hold: give one")
     if calls or not msg.HasField("grammar"):

@@ -225,6 +225,8 @@ def test_tools_and_tool_choice_reach_the_request_and_the_reply_returns_calls():
     msg, _ = wire.chat_request({**CHAT, "tools": WEATHER,
                                 "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert msg.tool_choice == "get_weather"
+    msg, _ = wire.chat_request({**CHAT, "tools": WEATHER, "tool_choice": "required", "parallel_tool_calls": False})
+    assert msg.HasField("parallel_tool_calls") and not msg.parallel_tool_calls
     msg, opts = wire.chat_request({**CHAT, "tools": WEATHER, "tool_choice": "none"})
     assert not opts.tool_names
     history = [{"role": "user", "content": "hi"},
