@@ -534,7 +534,9 @@ def _report(result: dict, args) -> int:
 
     tally, duration = result["tally"], result["duration_s"]
     counts = tally.counts(result["kill_window_s"])
-    skip = max(60.0, 0.1 * duration)
+    # a process's warm-up is left out of its slope: Ray's own raylet grows for about 40 minutes after it starts,
+    # then stays flat (docs/benchmark-log.md, 2026-12-02 night); a third of the run leaves 40 min of a 2-hour soak
+    skip = max(60.0, duration / 3)
     judged_life = JUDGED_LIFE_S
     slopes, anon, lives = {}, {}, {}
     for name, pts in result["rss"].items():
