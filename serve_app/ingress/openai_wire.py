@@ -374,7 +374,7 @@ class Reply:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}  # completions logprobs: text offset reached, per choice
-        self._held: dict[int, str] = {}  # chat with tools, streamed: text held back while it may be a call
+        self._held: dict[int, str | None] = {}  # chat with tools, streamed: text held back (None: plain text)
 
     def _token(self, token_id: int) -> str:
         return self.decode([token_id])
