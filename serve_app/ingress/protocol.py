@@ -55,7 +55,8 @@ def score_only(msg: pb.GenerateRequest) -> bool:
     return msg.echo and msg.HasField("max_new_tokens") and msg.max_new_tokens == 0
 
 
-def prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
+def prompt_ids(msg: pb.GenerateRequest, tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids; ``tools`` (``tools_of(msg)``) go through the chat template."""
     if sum(map(bool, (msg.prompt, msg.messages, msg.prompt_token_ids))) > 1:
         raise InvalidRequestError("set one of prompt, messages or prompt_token_ids, not several")
     if msg.prompt_token_ids:
@@ -66,7 +67,7 @@ def prompt_ids(msg: pb.GenerateRequest, tokenizer) -> list[int]:
                 raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}")
         messages = [_message(m, i) for i, m in enumerate(msg.messages)]
         if msg.tools or any(m.tool_calls or m.role == "tool" for m in msg.messages):
-            text = tool_calls.prompt_text(tokenizer, messages, tools_of(msg))
+            text = tool_calls.prompt_text(tokenizer, messages, tools)
             return tokenizer(text, add_special_tokens=False).input_ids
         return encode_prompt(tokenizer, messages)
     if not msg.prompt:
@@ -108,6 +109,7 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)!r}")
     if msg.HasField("max_new_tokens") and msg.max_new_tokens == 0 and not msg.echo:
         raise InvalidRequestError("max_new_tokens must be >= 1 (0 only with echo: score the prompt)")
+    tools = tools_of(msg)
     params = SamplingParams(
         max_new_tokens=(msg.max_new_tokens or 1) if msg.HasField("max_new_tokens") else SamplingParams.max_new_tokens,
         temperature=msg.temperature if msg.HasField("temperature") else 0.0,
@@ -116,7 +118,7 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
-        grammar=grammar_of(msg, tokenizer),
+        grammar=grammar_of(msg, tokenizer, tools),
     ).validate()
     budget = msg.min_agreement if msg.HasField("min_agreement") else None
     if budget is not None and msg.HasField("threshold"):
@@ -128,25 +130,24 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         threshold=msg.threshold if msg.HasField("threshold") else default.threshold,
         min_agreement=budget,
     ).validate()
-    ids = prompt_ids(msg, tokenizer)
+    ids = prompt_ids(msg, tokenizer, tools)
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise InvalidRequestError(f"prompt is {len(ids)} tokens, over the server's limit of {limits.max_prompt_tokens}")
     return GenerationRequest(ids, params, None, decode)
 
 
-def grammar_of(msg: pb.GenerateRequest, tokenizer) -> Grammar | None:
+def grammar_of(msg: pb.GenerateRequest, tokenizer, tools: list[dict] | None) -> Grammar | None:
     """The request's structured-output constraint, compiled (InvalidRequestError names what is wrong): its
-    grammar, or the calls its tool_choice asks for."""
-    tools = tools_of(msg)
+    grammar, or the calls its tool_choice asks for of ``tools`` (``tools_of(msg)``)."""
     if msg.tool_choice and not tools:
         raise InvalidRequestError("tool_choice needs tools")
     parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True
-    calls = tools and tool_calls.call_grammar(tools, tool_calls.check_choice(msg.tool_choice or "auto", tools),
-                                              tokenizer, parallel)
+    calls = tool_calls.call_grammar(tools, tool_calls.check_choice(msg.tool_choice or "auto", tools), tokenizer,
+                                    parallel) if tools else None
     if calls and msg.HasField("grammar"):
         raise InvalidRequestError("a grammar and a tool_choice that asks for calls cannot both hold: give one")
     if calls or not msg.HasField("grammar"):
-        return calls or None
+        return calls
     kind = msg.grammar.WhichOneof("kind")
     if kind is None or kind == "json_object" and not msg.grammar.json_object:
         raise InvalidRequestError("grammar is set but empty: give json_schema, json_object, regex or lark")
