@@ -86,6 +86,16 @@ class KVCache:
     def common_prefix(self, token_ids: list[int]) -> int:
         return common_prefix(self.tokens, token_ids)
 
+    def copy_from(self, other: KVCache) -> None:
+        """Hold what ``other`` holds (a fork)."""
+        n = len(other)
+        self.tokens = []
+        self.reserve(n)
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            for layer in range(self.num_layers):
+                mine[layer][:, :n] = theirs[layer][:, :n]
+        self.tokens = list(other.tokens)
+
     def release(self) -> None:
         """Nothing to give back: the buffers go with the object."""
 

@@ -48,6 +48,7 @@ import torch
 from calid.errors import CalidError
 from calid.runtime.runner import RunnerStats, SeqInput
 from calid.runtime.seq_cover import cover
+from calid.runtime.twins import forward_sharing
 
 DEFAULT_SLOTS = 32
 DEFAULT_CELLS_PER_SLOT = 2048
@@ -295,9 +296,25 @@ class LlamaCppRunner:
         self._pack()  # the adopted branch's slot may lie above freed ones
 
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
-        """Feed each sequence's new tokens; logits [len(logits_at), V] per sequence.
+        """Feed each sequence's new tokens; logits [len(logits_at), V] per sequence. Sequences that repeat
+        another's prefill exactly (the n choices of a prompt) are fed once and forked (calid.runtime.twins)."""
+        def cached(seq_id: Hashable) -> list[int]:
+            s = self._seqs.get(seq_id)
+            return s.tokens if s is not None else []
 
-        Phase A decodes every chain and the committed tokens of every tree input on the sequence's own
+        def align(past: int, shared: int) -> int:  # exact mode: a block's rows come from one call (_calls)
+            return shared if not self.exact else (past + shared) // BLOCK * BLOCK - past
+
+        return forward_sharing(inputs, cached, self._forward, self._fork, self.stats, align)
+
+    def _fork(self, src: Hashable, dst: Hashable, length: int) -> None:
+        leader, twin = self._seqs[src], self._get(dst, {src, dst})
+        self._copy_stream(leader.slot, twin.slot)
+        twin.tokens = list(leader.tokens)
+        self._trim(twin, length)
+
+    def _forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
+        """Phase A decodes every chain and the committed tokens of every tree input on the sequence's own
         slot; phase B the tree nodes, each branch on its own slot (a copy of the sequence's stream made
         between the phases). ``_calls`` groups each phase's tokens into llama_decode calls.
         """

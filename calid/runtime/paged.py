@@ -162,6 +162,15 @@ class PagedKVCache:
     def common_prefix(self, token_ids: list[int]) -> int:
         return common_prefix(self.tokens, token_ids)
 
+    def copy_from(self, other: PagedKVCache) -> None:
+        """Hold what ``other`` holds (a fork), in blocks of its own."""
+        n = len(other)
+        self.truncate(0)
+        self.reserve(n)
+        if n:
+            self.pool.move(other.slots(0, n), self.slots(0, n))
+        self.tokens = list(other.tokens)
+
     def release(self) -> None:
         """Give every block back to the pool (the cache is empty afterwards)."""
         self.truncate(0)

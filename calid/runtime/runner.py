@@ -8,7 +8,6 @@ sequences at once and returns the logits the caller asked for.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Hashable
 
 import torch
@@ -20,34 +19,8 @@ from calid.runtime.graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from calid.runtime.invariant_attention import InvariantAttention
 from calid.runtime.kv_cache import KVCache, KVCacheStore
 from calid.runtime.paged import DEFAULT_BLOCK_SIZE, BlockPool, PagedKVCache
-
-
-@dataclass
-class SeqInput:
-    """New tokens of one sequence for one forward.
-
-    ``positions`` default to consecutive positions after the cache; ``ancestors``
-    is a [q, q] bool mask among the new tokens (token trees), default causal;
-    ``logits_at`` indexes the new tokens whose logits are returned (default: last).
-    """
-
-    seq_id: Hashable
-    tokens: list[int]
-    positions: list[int] | None = None
-    ancestors: torch.Tensor | None = None
-    logits_at: list[int] | None = None
-
-
-@dataclass
-class RunnerStats:
-    forwards: int = 0
-    tokens: int = 0
-    recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
-    reused_tokens: int = 0  # prompt tokens taken over from another sequence's cache instead of computed
-    ubatches: int = 0  # llama.cpp: the ubatches its forwards ran as, each reading every weight (llamacpp.ubatches)
-    forward_s: float = 0.0  # seconds inside the model's own forward (llama_decode; the torch model's call): a step's
-    # time less this is what calid adds around the forward (calid bench modes prints it)
-
+from calid.runtime.seq_input import RunnerStats, SeqInput  # noqa: F401 - where callers import them from
+from calid.runtime.twins import forward_sharing
 
 KV_LAYOUTS = ("paged", "contiguous")
 DEFAULT_KV_LAYOUT = "paged"  # measured with ``calid bench step``: on a 2-core CPU 1.11x at batch 16-32, 0.99-1.00x at 1
@@ -162,9 +135,20 @@ class ModelRunner:
     def release(self, seq_id: Hashable) -> None:
         self.caches.drop(seq_id)
 
-    @torch.inference_mode()
+    def _fork(self, src: Hashable, dst: Hashable, length: int) -> None:
+        """Make ``dst``'s cache the first ``length`` entries of ``src``'s (a twin's prefill, calid.runtime.twins)."""
+        cache = self.caches.get(dst)
+        cache.copy_from(self.caches.get(src))
+        cache.truncate(length)
+
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
-        """Feed each sequence's new tokens; return logits [len(logits_at), vocab] per sequence."""
+        """Feed each sequence's new tokens; return logits [len(logits_at), vocab] per sequence. Sequences that
+        repeat another's prefill exactly (the n choices of a prompt) are fed once and forked."""
+        return forward_sharing(inputs, lambda seq_id: self.caches.get(seq_id).tokens, self._forward, self._fork,
+                               self.stats)
+
+    @torch.inference_mode()
+    def _forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
         seqs, ids, positions, logits_index = self._slices(inputs)
         start = time.perf_counter()
         if self.graphs is not None and len(logits_index) == len(seqs) and self.graphs.fits(seqs):

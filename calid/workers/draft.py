@@ -18,6 +18,7 @@ from calid.decoding.grammar import GrammarMasks, constrain
 from calid.decoding.sampling import argmax_rows, sample, warp
 from calid.decoding.tree import TokenTree
 from calid.runtime.runner import ModelRunner, SeqInput
+from calid.runtime.twins import twin_key
 from calid.workers.messages import (DraftResult, DraftTask, grammar_entry, load_generator, require_full_ids,
                                    save_generator)
 from calid.workers.target import MIN_CHUNK
@@ -106,21 +107,29 @@ class DraftWorker:
             return {}
         pending = {t.request_id: len(self.runner.sync(t.request_id, t.token_ids)) for t in tasks}
         left = self.max_forward_tokens - sum(n for n in pending.values() if n <= MIN_CHUNK)
-        out, inputs = {}, []
+        out, inputs, planned = {}, [], {}  # planned: a twin's chunk (calid.runtime.twins)
         for t in tasks:
             n = pending[t.request_id]
             if n <= MIN_CHUNK:
                 continue
-            if n <= left:
+            key = twin_key(t.token_ids, n)
+            if key in planned:  # the runner feeds its twin's work once: the same chunk, no more of the budget
+                chunk = planned[key]
+            elif n <= left:
                 left -= n
+                chunk = None
+            elif left < MIN_CHUNK and inputs:  # the budget is spent: this prompt waits for the next step
+                chunk = 0
+            else:
+                chunk = min(n - 1, max(left, MIN_CHUNK))
+                left = max(0, left - chunk)
+            planned[key] = chunk
+            if chunk is None:  # the whole prompt fits
                 continue
-            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, 0, t.rng, catching_up=True)
-            if left < MIN_CHUNK and inputs:  # the budget is spent: this prompt waits for the next step
-                continue
-            chunk = min(n - 1, max(left, MIN_CHUNK))
-            left = max(0, left - chunk)
-            inputs.append(SeqInput(t.request_id, self.runner.sync(t.request_id, t.token_ids)[:chunk]))
-            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, 1, t.rng, catching_up=True)
+            out[t.request_id] = DraftResult(t.request_id, [], None, True, None, int(chunk > 0), t.rng,
+                                            catching_up=True)
+            if chunk:
+                inputs.append(SeqInput(t.request_id, self.runner.sync(t.request_id, t.token_ids)[:chunk]))
         if inputs:
             self.runner.forward(inputs)
         return out

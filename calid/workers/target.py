@@ -28,6 +28,7 @@ from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
 from calid.decoding.sampling import argmax_rows, warp
 from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled, verify_stochastic
 from calid.runtime.runner import ModelRunner, SeqInput
+from calid.runtime.twins import twin_key
 from calid.workers.messages import (
     ScoreResult,
     ScoreTask,
@@ -215,14 +216,23 @@ class TargetWorker:
 
         work = {t.request_id: (uncached(t), len(trees[t.request_id]) if t.request_id in trees else len(t.draft))
                 for t in tasks}
-        left, chunks = self.max_forward_tokens, {}
+        left, chunks, planned = self.max_forward_tokens, {}, {}  # planned: a twin's plan (calid.runtime.twins)
         for t in sorted(tasks, key=lambda t: work[t.request_id][0]):  # decodes first, longest prompts last
             prompt, draft = work[t.request_id]
+            key = twin_key(t.token_ids, prompt)
+            if key in planned:  # the runner feeds the prompt once (calid.runtime.twins): the twin's plan, its draft
+                if planned[key] is not None:
+                    chunks[t.request_id] = planned[key]
+                else:
+                    left -= draft
+                continue
             if prompt + draft <= left or prompt <= MIN_CHUNK:
                 left -= prompt + draft
             else:
                 chunks[t.request_id] = max(left, MIN_CHUNK)
                 left -= chunks[t.request_id]
+            if key is not None:
+                planned[key] = chunks.get(t.request_id)
         return chunks
 
     def _chunk_input(self, t: VerifyTask, n: int) -> SeqInput:

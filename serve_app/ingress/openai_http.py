@@ -116,14 +116,7 @@ async def _completions(router, request, caller) -> Response:
 
 
 async def _generate(router, kind: str, msgs: list, opts: wire.Options, caller: Caller) -> Response:
-    rs = []
-    try:
-        for m in msgs:  # every prompt is admitted (or the whole call refused) before anything runs
-            rs.append(await router.open(m, caller))
-    except BaseException:
-        for r in rs:
-            router.close(r)
-        raise
+    rs = await router.open_all(msgs, caller)  # every prompt and choice admitted together, or the call refused
     reply = wire.Reply(kind, opts, router.model_id, router.tokenizer.decode, [r.mode for r in rs])
     if opts.stream:
         return StreamingResponse(_stream(router, rs, reply), media_type="text/event-stream",

@@ -194,6 +194,34 @@ class Router(GrpcFront):
         """The one request path: authenticate, check, tokenize (off the event loop) and admit; a refusal
         raises Refused. Everything that costs nothing runs before the tokenizer, so refusals take no time.
         ``edge``: a Collaborate request, drafted by the client."""
+        return (await self.open_all([request], caller, edge))[0]
+
+    async def open_all(self, requests: list[pb.GenerateRequest], caller: Caller,
+                       edge: bool = False) -> list[_Request]:
+        """``open`` for requests that belong together (an OpenAI call's prompts and their n choices): all are
+        admitted, in one go, or none. Admitted together, they start in the same step, so a prompt's choices
+        are prefilled once (calid.runtime.twins)."""
+        rs = []
+        try:
+            for request in requests:
+                rs.append(await self._check(request, caller, edge, len(rs)))
+        except BaseException:
+            for r in rs:  # never queued: nothing else holds them
+                self._requests.pop(r.req.request_id, None)
+            raise
+        for r in rs:
+            if not r.score_only:
+                self._waiting.append(r.req.request_id)
+        if len(rs) > sum(r.score_only for r in rs):
+            self._ensure_loop()
+            self._wake.set()
+            if len(self.orch.active) < self.cfg.max_active:  # they can start with the next forward
+                self._cut_runs()
+        return rs
+
+    async def _check(self, request: pb.GenerateRequest, caller: Caller, edge: bool, held: int) -> _Request:
+        """Authenticate, check and tokenize one request, and register it (not queued yet); ``held``: requests
+        of the same call checked before it, which count against the limits as if queued."""
         arrived = time.perf_counter()
         mode, frontend = request.mode or "default", caller.frontend
         self.authorize(caller, mode)
@@ -203,7 +231,7 @@ class Router(GrpcFront):
         if request.model and request.model not in (self.model_id, self.cfg.target):
             raise self.refuse(mode, grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here "
                               f"(served: {self.model_id})", frontend)
-        if self._full():
+        if self._full(held):
             raise self._refuse_full(mode, frontend)
         try:
             protocol.check_limits(request, self.cfg.limits)
@@ -222,7 +250,7 @@ class Router(GrpcFront):
                                           "sharded target (target_tp/target_pp > 1)")
         except CalidError as e:
             raise self.refuse(mode, grpc.StatusCode.INVALID_ARGUMENT, str(e), frontend) from None
-        if self._full():  # others were admitted while this one was tokenized
+        if self._full(held):  # others were admitted while this one was tokenized
             raise self._refuse_full(req.decode.mode, frontend)
         r = _Request(request.request_id or req.request_id, req.decode.mode, req,
                      time.monotonic() + self.cfg.request_timeout_s,
@@ -230,12 +258,6 @@ class Router(GrpcFront):
                      frontend=frontend, logprobs=request.logprobs if request.HasField("logprobs") else None,
                      echo=request.echo, score_only=protocol.score_only(request))
         self._requests[req.request_id] = r
-        if not r.score_only:
-            self._waiting.append(req.request_id)
-            self._ensure_loop()
-            self._wake.set()
-            if len(self.orch.active) < self.cfg.max_active:  # it can start with the next forward
-                self._cut_runs()
         return r
 
     def _cut_runs(self) -> None:
@@ -245,10 +267,11 @@ class Router(GrpcFront):
             self.target.cut_runs.remote(replica=where)  # fire and forget: a late cut only shortens the next run
         self._in_runs = set()
 
-    def _full(self) -> bool:
+    def _full(self, held: int = 0) -> bool:
         # the bound holds whatever the step loop is doing: slots fill only between steps, so a burst
         # that arrives during a step must count against decoding slots and queue together
-        return len(self._waiting) + len(self.orch.active) >= self.cfg.max_active + self.cfg.queue_capacity
+        queued = len(self._waiting) + len(self.orch.active) + held
+        return queued >= self.cfg.max_active + self.cfg.queue_capacity
 
     def _refuse_full(self, mode: str, frontend: str) -> Refused:
         refused = self.refuse(mode, grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -210,15 +210,18 @@ class _WorkerBase:
         """Counters for tests, the demo and benches: batches run, the largest batch, live KV caches, and the
         runner's tokens fed and, of those, ids its cache did not hold (``recomputed_tokens``: new prompts and
         caches lost to eviction), prompt ids taken over from other sequences' caches (``reused_tokens``: live
-        sequences and llama.cpp's prompt cache), its forwards and, on llama.cpp, the ubatches they ran as (each
-        reads every weight: more than one a forward means sequences of unequal length, or live sequences on
-        scattered slots; calid.runtime.llamacpp.ubatches); sharded replicas report none of these."""
+        sequences and llama.cpp's prompt cache), sequences whose prefill was another's, forked after it
+        (``forked_sequences``: the n choices of a prompt; calid.runtime.twins), its forwards and, on
+        llama.cpp, the ubatches they ran as (each reads every weight: more than one a forward means sequences
+        of unequal length, or live sequences on scattered slots; calid.runtime.llamacpp.ubatches); sharded
+        replicas report none of these."""
         cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
         runner = getattr(getattr(self, "_runner", None), "stats", None)
         return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending,
                 "busy_s": self._busy_s, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
                 **({"tokens": runner.tokens, "recomputed_tokens": runner.recomputed_tokens,
-                     "reused_tokens": runner.reused_tokens, "forwards": runner.forwards,
+                     "reused_tokens": runner.reused_tokens, "forked_sequences": runner.forked_sequences,
+                     "forwards": runner.forwards,
                      "ubatches": runner.ubatches, "forward_s": runner.forward_s} if runner else {})}
 
     def _cached(self) -> int:

@@ -18,7 +18,7 @@ from calid.decoding.tree import TokenTree
 from calid.engine import Engine
 from calid.generation import GenerationRequest, SamplingParams
 from calid.models.presets import TEST_MODEL
-from calid.runtime.llamacpp import LlamaCppError, LlamaCppRunner
+from calid.runtime.llamacpp import BLOCK, LlamaCppError, LlamaCppRunner
 from calid.runtime.runner import SeqInput
 from calid.text import encode_prompt
 
@@ -503,3 +503,32 @@ def test_batched_mode_keeps_released_prompts_until_their_slots_are_needed(ll, pr
     assert not ll.runner.prompt_cache
     for runner in (cached, fresh):
         runner.close()
+
+
+def test_twins_share_one_prefill_bit_for_bit(ll, prompts):
+    """The n choices of one prompt (and a choice whose draft differs after it) prefill once and fork; their
+    rows are bit-identical to each prefilled alone (calid.runtime.twins)."""
+    r = ll.runner
+    ids = [t for i in ids_of(ll, prompts[:2]) for t in i]
+    n = len(ids)
+    block = n // BLOCK * BLOCK  # exact mode: c's own feed goes on past the prompt, so it shares whole blocks
+    assert block >= 16 and block < n
+
+    def alone(feed, rows):
+        out = r.forward([SeqInput("twin-ref", feed, logits_at=rows)])[0]
+        r.release("twin-ref")
+        return out
+
+    ref, ref7 = alone(ids + [42], [n - 1, n]), alone(ids + [7], [n])
+    before = (r.stats.forked_sequences, r.stats.tokens)
+    feeds = {"twin-a": list(ids), "twin-b": list(ids), "twin-c": list(ids) + [42]}
+    for s, f in feeds.items():
+        r.sync(s, f)
+    out = r.forward([SeqInput("twin-a", feeds["twin-a"]), SeqInput("twin-b", feeds["twin-b"]),
+                     SeqInput("twin-c", feeds["twin-c"], logits_at=[n - 1, n])])
+    assert (r.stats.forked_sequences - before[0], r.stats.tokens - before[1]) == (2, n + (n + 1 - block))
+    assert torch.equal(out[0][0], ref[0]) and torch.equal(out[1][0], ref[0]) and torch.equal(out[2], ref)
+    step = r.forward([SeqInput("twin-b", [7])])[0]  # b goes on from its fork as if it had prefilled itself
+    assert torch.equal(step, ref7)
+    for s in feeds:
+        r.release(s)

@@ -74,6 +74,23 @@ def test_n_choices_each_sampled_on_its_own_and_the_prompt_counted_once(oai):
     assert [streamed[0], streamed[1]] == texts[:2] and chunks[-1].usage.prompt_tokens == one.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("mode", ["ar", "speculative"])
+def test_n_choices_share_one_prefill(oai, small_app, mode):
+    """The n choices of a prompt are prefilled once on each model and forked (calid.runtime.twins): the
+    workers' counters show n - 1 forks and the prompt computed once."""
+    workers = handle(small_app.app_name, "router").worker_stats
+    before = workers.remote().result()
+    r = oai.chat.completions.create(model=MODEL, n=3, max_tokens=8, temperature=1.0, seed=11,
+                                    extra_body={"mode": mode}, messages=[{"role": "user", "content":
+                                    f"In {mode} mode, list four rivers of Europe and one fact about each."}])
+    after = workers.remote().result()
+    assert len(r.choices) == 3
+    for role in ("target", "draft") if mode == "speculative" else ("target",):
+        grew = {k: after[role][k] - before[role][k] for k in ("forked_sequences", "reused_tokens")}
+        assert grew["forked_sequences"] == 2, role
+        assert grew["reused_tokens"] >= 2 * (r.usage.prompt_tokens - 1), role
+
+
 def test_async_client_streams_concurrently(base_url):
     async def run():
         async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0) as c:

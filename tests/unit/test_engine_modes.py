@@ -319,3 +319,24 @@ def test_filter_cap_is_the_target_step_over_the_draft_step_and_leaves_no_sequenc
     cap = filter_cap(target, draft, batch=3)
     assert cap["ar_s"] > 0 and cap["draft_s"] > 0 and cap["cap"] == pytest.approx(cap["ar_s"] / cap["draft_s"])
     assert target.cached_count() == 0 and draft.cached_count() == 0
+
+
+@pytest.mark.parametrize("budget", [None, 40])
+@pytest.mark.parametrize("mode", ["ar", "speculative"])
+def test_n_sampled_choices_of_one_prompt_prefill_once(tiny_model, mode, budget):
+    """Three seeded choices of one prompt (what an OpenAI request with n=3 becomes), with and without
+    SARATHI's budget (which would chunk the second and third apart): one prefill on each model
+    (calid.runtime.twins), and each choice's tokens are those it gets alone."""
+    prompt = list(range(3, 43))
+
+    def run_seeds(seeds):
+        eng = engine(tiny_model, max_forward_tokens=budget)
+        reqs = [GenerationRequest(list(prompt), SamplingParams(max_new_tokens=6, temperature=1.0, seed=s),
+                                  decode=DecodeParams(mode=mode)) for s in seeds]
+        return [r.output_ids for r in eng.generate(reqs)], eng
+
+    together, eng = run_seeds([11, 12, 13])
+    assert eng.target.stats.forked_sequences == 2
+    assert eng.draft.stats.forked_sequences == (2 if mode == "speculative" else 0)
+    assert together == [run_seeds([s])[0][0] for s in (11, 12, 13)]
+    assert len({tuple(t) for t in together}) > 1  # sampled on their own

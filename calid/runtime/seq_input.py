@@ -1,0 +1,36 @@
+"""What a forward takes (``SeqInput``, one sequence's new tokens) and what a runner counts (``RunnerStats``),
+apart from the runners so that the pieces they share (calid.runtime.twins) need no runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+
+@dataclass
+class SeqInput:
+    """New tokens of one sequence for one forward.
+
+    ``positions`` default to consecutive positions after the cache; ``ancestors``
+    is a [q, q] bool mask among the new tokens (token trees), default causal;
+    ``logits_at`` indexes the new tokens whose logits are returned (default: last).
+    """
+
+    seq_id: Hashable
+    tokens: list[int]
+    positions: list[int] | None = None
+    ancestors: torch.Tensor | None = None
+    logits_at: list[int] | None = None
+
+
+@dataclass
+class RunnerStats:
+    forwards: int = 0
+    tokens: int = 0
+    recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
+    reused_tokens: int = 0  # prompt tokens taken over from another sequence's cache instead of computed
+    forked_sequences: int = 0  # sequences whose prefill was another's, forked after the forward (calid.runtime.twins)
+    ubatches: int = 0  # llama.cpp: the ubatches its forwards ran as, each reading every weight (llamacpp.ubatches)
+    forward_s: float = 0.0  # seconds inside the model's own forward (llama_decode; the torch model's call): a step's
+    # time less this is what calid adds around the forward (calid bench modes prints it)
