@@ -55,9 +55,11 @@ def _model_app(cfg: AppConfig, suffix: str = ""):
     A router replica that Serve stops (an in-place update, a downscale) finishes the streams it holds first: its
     graceful stop may take request_timeout_s. A stop of the whole app ends them sooner (Router.drain's grace)."""
     config = cfg.model_dump()
+    # a multi-model front relays a Collaborate stream to one router replica (serve_app.ingress.edge_relay)
+    pinning = {"request_router_config": request_router_config()} if suffix else {}
     if cfg.topology == "engine":
         cpus = cfg.router_num_cpus + cfg.target_num_cpus + (cfg.draft_num_cpus if cfg.draft is not None else 0.0)
-        return Router.options(name="router" + suffix, graceful_shutdown_timeout_s=cfg.request_timeout_s,
+        return Router.options(name="router" + suffix, graceful_shutdown_timeout_s=cfg.request_timeout_s, **pinning,
                               ray_actor_options={"num_cpus": cpus, "num_gpus": cfg.target_num_gpus,
                                                  "resources": {**cfg.router_resources, **cfg.target_resources}},
                               ).bind(config, None, None)
@@ -79,7 +81,7 @@ def _model_app(cfg: AppConfig, suffix: str = ""):
             autoscaling_config=autoscaling_config(cfg.draft_scaling),
         ).bind(config)
     routers = cfg.router_scaling
-    return Router.options(name="router" + suffix, graceful_shutdown_timeout_s=cfg.request_timeout_s,
+    return Router.options(name="router" + suffix, graceful_shutdown_timeout_s=cfg.request_timeout_s, **pinning,
                           ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources},
                           autoscaling_config={
         "min_replicas": routers.min_replicas, "max_replicas": routers.max_replicas,

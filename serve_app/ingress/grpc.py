@@ -96,6 +96,20 @@ class GrpcFront:
         except RequestRefused:
             yield ctx.code, ctx.details
 
+    async def edge_relayed(self, session: str, message: pb.CollaborateRequest | None, metadata: tuple,
+                           replica: str | None = None) -> tuple:
+        """One client message of a Collaborate stream a multi-model front relays (None: the client closed its
+        side; serve_app.ingress.edge_relay), run on the replica holding the session (``replica``, read by
+        Serve's request router): (this replica's id, what the message produced)."""
+        from ray import serve
+
+        from serve_app.ingress.edge_relay import EdgeSessions
+
+        if getattr(self, "edge_sessions", None) is None:
+            self.edge_sessions = EdgeSessions(self, keep_s=self.cfg.edge_round_timeout_s)
+        relayed = await self.edge_sessions.relay(session, message, metadata)
+        return serve.get_replica_context().replica_id.unique_id, relayed
+
     async def http_forwarded(self, method: str, path: str, headers: list, body: bytes):
         """An HTTP request as the multi-model front received it, its body read: the response's (status,
         headers) first, then its body in parts as this router sends them (each SSE event as it comes)."""

@@ -12,6 +12,7 @@ authenticates and validates the call with the caller's metadata, and the status 
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import grpc
 from ray import serve
@@ -135,10 +136,35 @@ class ModelFront:
         return pb.CancelResponse(cancelled=any(r is not None and r.cancelled for r in replies))
 
     async def Collaborate(self, request_stream, grpc_context=None):
-        set_grpc_status(grpc_context, Refused(grpc.StatusCode.UNIMPLEMENTED, "Collaborate (edge drafting) is "
-                                              "served by single-model apps; this app serves several models"))
-        raise RequestRefused("Collaborate is not served by a multi-model app")
-        yield  # a generator, as Serve expects of a streaming method
+        """Edge drafting on the model the open message names: each client message is relayed to that model's
+        router in a call of its own, every call after the first pinned to the replica holding the session
+        (serve_app.ingress.edge_relay)."""
+        message = await anext(request_stream, None)
+        if message is None:
+            return
+        model = message.open.model if message.WhichOneof("kind") == "open" else ""
+        i = self._router(model, grpc_context)
+        if i is None:
+            raise RequestRefused(self._unknown(model))
+        router, session, replica, ended = self.routers[i], uuid.uuid4().hex, None, False
+        metadata = _metadata(grpc_context)
+        self.in_flight[i] += 1
+        try:
+            while True:
+                replica, out = await router.edge_relayed.remote(session, message, metadata, replica=replica)
+                for reply in out.replies:
+                    yield reply
+                if out.ended:
+                    ended = True
+                    if out.code is not None:
+                        set_grpc_status(grpc_context, Refused(out.code, out.details))
+                        raise RequestRefused(out.details)
+                    return
+                message = await anext(request_stream, None)  # None: the client closed its side
+        finally:
+            self.in_flight[i] -= 1
+            if not ended:  # the client went away: the session ends now, not at its round timeout
+                router.edge_relayed.remote(session, None, metadata, replica=replica)
 
     # ---- what serve_app.cluster.serve_commands and the tests ask of "router" --------------------------------
 

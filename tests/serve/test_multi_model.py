@@ -147,14 +147,35 @@ def test_an_unknown_model_over_http_is_a_404_naming_the_served_ones(oai, http_po
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
-def test_collaborate_is_refused_with_unimplemented(multi_app):
+def test_collaborate_reaches_the_model_it_names(multi_app, mclient):
+    """Edge drafting through the multi-model front: each message relayed to the named model's router replica
+    (serve_app.ingress.edge_relay); greedy speculative from a local draft is that model's ar output."""
     from calid.v1 import calid_pb2 as pb, calid_pb2_grpc
 
+    prompt, n = "Write a Python function that reverses a string.", 16
+    with Client(f"127.0.0.1:{multi_app.grpc_port}", app=APP, timeout=300, retries=0, local_draft=TEST_MODEL) as edge:
+        for model in ("smol", "plain"):
+            ar = mclient.generate(prompt, model=model, mode="ar", max_new_tokens=n, ignore_eos=True)
+            spec = edge.generate(prompt, model=model, mode="speculative", max_new_tokens=n, ignore_eos=True)
+            assert spec.token_ids == ar.token_ids, model
+            assert spec.stats["draft_tokens"] > n // 2 and spec.stats["draft_forwards"] == 0  # drafted here
+        chunks = list(edge.stream(prompt, model="plain", mode="filter", threshold=1.0, max_new_tokens=n,
+                                  ignore_eos=True))
+        assert [t for c in chunks for t in c.token_ids] == ar.token_ids
+        with pytest.raises(NotFound, match="served: smol, plain, busy"):
+            edge.generate(prompt, model="nope", mode="speculative", max_new_tokens=4)
     with grpc.insecure_channel(f"127.0.0.1:{multi_app.grpc_port}") as ch:
         stub = calid_pb2_grpc.CalidStub(ch)
-        with pytest.raises(grpc.RpcError) as e:
-            list(stub.Collaborate(iter([pb.CollaborateRequest()]), metadata=(("application", APP),), timeout=30))
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        opening = pb.CollaborateRequest(open=pb.GenerateRequest(prompt=prompt, model="smol", mode="speculative",
+                                                                max_new_tokens=n))
+        replies = list(stub.Collaborate(iter([opening]), metadata=(("application", APP),), timeout=60))
+        assert replies[0].round == 0 and replies[0].prompt_ids  # then the client closed its side: the end
+        with pytest.raises(grpc.RpcError) as e:  # a round before open is the router's to refuse
+            list(stub.Collaborate(iter([pb.CollaborateRequest(open=pb.GenerateRequest(prompt=prompt, model="smol",
+                                                                                      mode="ar"))]),
+                                  metadata=(("application", APP),), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "mode" in e.value.details()
+    assert wait_until(lambda: _stats("smol")["requests"] == 0 and _stats("smol")["active"] == 0, 30)
 
 
 def test_a_model_on_two_groups_spreads_its_requests_and_each_target_is_pinned(mclient):
