@@ -262,10 +262,20 @@ def scenario(profiles, meta: dict, args, cv: float | None = None, load: float | 
                     corun=corun), rate * len(models))
 
 
-def plan_all(problem) -> dict:
-    from calid.placement.planner import PLANNERS
+def plan_all(problem, log=None) -> dict:
+    """Every planner's plan; ``log``: told as each starts and ends (planning can take minutes)."""
+    from calid.placement.planner import PLANNERS, unplaced
 
-    return {name: PLANNERS[name](problem) for name in PLANNER_ORDER}
+    plans = {}
+    for name in PLANNER_ORDER:
+        if log:
+            log(f"planning: {name} ...")
+        plans[name] = plan = PLANNERS[name](problem)
+        if log:
+            left = unplaced(problem, plan.placement)
+            log(f"planning: {name} done in {plan.seconds:.1f} s ({plan.simulations} simulations); models without "
+                f"a replica: {', '.join(left) or 'none'}")
+    return plans
 
 
 def _sweep(profiles, meta, args, key: str, values: list[float]) -> list[dict]:
@@ -304,7 +314,7 @@ def run_simulate(args) -> int:
         f"profile measured on {meta.get('cpu', '?')}",
         file=sys.stderr,
     )
-    plans = plan_all(problem)
+    plans = plan_all(problem, log=lambda line: print(line, file=sys.stderr, flush=True))
     rows = [{"planner": n, "slo_attainment": p.attainment, "simulations": p.simulations,
              "plan_seconds": p.seconds, "placement": str(p.placement)} for n, p in plans.items()]
     for r in rows:

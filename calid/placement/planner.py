@@ -60,6 +60,8 @@ class Problem:
     max_batch: int = DEFAULT_MAX_BATCH
     overlap: bool = False  # the simulator's what-if of pipelined steps of one model overlapping
     corun: float = 1.0  # a device's step time with every other device busy / alone (simulator.simulate)
+    # the simulated parts of placements (_Scorer), shared by every planner of this problem
+    simulated: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         missing = {r.model for r in self.requests} - set(self.profiles)
@@ -97,14 +99,67 @@ def attainment_of(problem: Problem, outcomes: list) -> tuple[float, dict[str, fl
 
 
 class _Scorer:
-    """Simulates placements, counting how many."""
+    """Simulates placements, counting how many, one connected part at a time.
+
+    Groups that share no model (directly or through other groups) never touch each other's requests, so a
+    placement's outcomes are those of its parts simulated apart (the same events in the same order), and a
+    search that grows one group re-simulates only the part that group is in: the others come from a cache (the
+    problem's, so that every planner of it shares it).
+    With ``corun`` > 1 every busy device slows the others, and whole placements are simulated."""
 
     def __init__(self, problem: Problem):
         self.problem, self.count = problem, 0
+        self._parts: dict[tuple[Group, ...], list] = problem.simulated  # a part's groups -> its outcomes
+        self._of_model: dict[str, list[int]] = {}  # a model's requests, by index
+        for i, r in enumerate(problem.requests):
+            self._of_model.setdefault(r.model, []).append(i)
 
     def __call__(self, placement: Placement) -> tuple[float, dict[str, float]]:
         self.count += 1
-        return attainment(self.problem, placement)
+        p = self.problem
+        if p.corun != 1.0:
+            return attainment(p, placement)
+        outcomes: list = [None] * len(p.requests)
+        hosted = set()
+        for groups in _parts(placement):
+            got = self._parts.get(groups)
+            models = {m for g in groups for m in g.models}
+            hosted |= models
+            ids = sorted(i for m in models for i in self._of_model.get(m, ()))
+            if got is None:
+                got = self._parts[groups] = simulate(Placement(groups), p.profiles, [p.requests[i] for i in ids],
+                                                     p.max_batch, p.overlap, p.corun)
+            for i, o in zip(ids, got):
+                outcomes[i] = o
+        left = sorted(i for m in set(self._of_model) - hosted for i in self._of_model[m])
+        for i, o in zip(left, simulate(Placement(()), p.profiles, [p.requests[i] for i in left])):
+            outcomes[i] = o  # no group hosts its model: an error
+        return attainment_of(p, outcomes)
+
+
+def _parts(placement: Placement) -> list[tuple[Group, ...]]:
+    """The groups of ``placement`` that host something, in connected parts (groups linked by a model they
+    share), each part's groups in the placement's order."""
+    groups = [g for g in placement.groups if g.models]
+    part = list(range(len(groups)))  # union-find over the groups
+
+    def root(i: int) -> int:
+        while part[i] != i:
+            part[i] = part[part[i]]
+            i = part[i]
+        return i
+
+    first: dict[str, int] = {}
+    for i, g in enumerate(groups):
+        for m in g.models:
+            if m in first:
+                part[root(i)] = root(first[m])
+            else:
+                first[m] = i
+    out: dict[int, list[Group]] = {}
+    for i, g in enumerate(groups):
+        out.setdefault(root(i), []).append(g)
+    return [tuple(gs) for gs in out.values()]
 
 
 def unplaced(problem: Problem, placement: Placement) -> list[str]:

@@ -28,6 +28,7 @@ SLO exactly as live runs are.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import deque
 from dataclasses import dataclass
@@ -108,7 +109,7 @@ def simulate(placement: Placement, profiles: dict[str, ModelProfile], requests: 
     return _Simulation(placement, profiles, requests, max_batch, overlap, corun).run()
 
 
-ARRIVE, STEP_DONE, WAKE = 0, 1, 2  # event kinds, in the order same-time events are handled
+STEP_DONE, WAKE = 1, 2  # the heap's event kinds (arrivals, kept apart, go first at the same instant)
 
 
 class _Simulation:
@@ -125,18 +126,23 @@ class _Simulation:
                 self.hosts.setdefault(m, []).append(i)
         self.outcomes = [Outcome(r.at_s, None, None, 0) for r in requests]
         self.done_tokens = [0] * len(requests)
+        # each group's arrivals to come (of the models it hosts), so a lone steady batch can leap to the next
+        self.arrivals = [sorted(r.at_s for r in requests if r.model in g.models) for g in placement.groups]
+        self.jumps = corun == 1.0  # contention makes a step's length depend on the others' steps
         self.events: list[tuple[float, int, int, object]] = []  # (time, order, kind, payload)
         self.order = 0
 
     def run(self) -> list[Outcome]:
-        for rid, r in enumerate(self.requests):
-            self.push(r.at_s, ARRIVE, rid)
-        while self.events:
-            now, _, kind, payload = heapq.heappop(self.events)
-            if kind == ARRIVE:
-                self.arrive(payload, now)
-            elif kind == STEP_DONE:
-                self.step_done(*payload, now)
+        requests, events, rid = self.requests, self.events, 0  # arrivals come in order, beside the heap
+        while rid < len(requests) or events:
+            if rid < len(requests) and (not events or requests[rid].at_s <= events[0][0]):
+                self.arrive(rid, requests[rid].at_s)  # before any other event of the same instant
+                rid += 1
+                continue
+            now, _, kind, payload = heapq.heappop(events)
+            if kind == STEP_DONE:
+                gi, name, batch, steps, first_end = payload
+                self.step_done(gi, name, batch, now, steps, first_end)
             else:
                 self.groups[payload].wake_at = None
                 self.start_steps(payload, now)
@@ -172,14 +178,16 @@ class _Simulation:
             g.wake_at = now
             self.push(now, WAKE, gi)
 
-    def step_done(self, gi: int, name: str, batch: list[int], now: float) -> None:
+    def step_done(self, gi: int, name: str, batch: list[int], now: float, steps: int = 1,
+                  first_end: float | None = None) -> None:
+        """``steps`` steps of ``batch`` ended (a leap: see _leap), the first at ``first_end``."""
         g = self.groups[gi]
         lane = g.lanes[name]
         for rid in batch:
             o = self.outcomes[rid]
-            self.done_tokens[rid] += 1
+            self.done_tokens[rid] += steps
             o.tokens = self.done_tokens[rid]
-            o.first_s = now if o.first_s is None else o.first_s
+            o.first_s = (now if first_end is None else first_end) if o.first_s is None else o.first_s
             o.last_s = now
             if self.done_tokens[rid] >= self.requests[rid].output_tokens:
                 lane.running -= 1
@@ -205,6 +213,12 @@ class _Simulation:
             batch, micro, joined = self._take_batch(g, lane)
             stage = (self.profiles[lane.name].stage_s(g.config, -(-len(batch) // micro), joined / micro)
                      * self.contention(gi, now))
+            leap = self._leap(g, gi, lane, batch, joined, stage, now)
+            if leap > 1:
+                g.stage_free[0] = last = now + leap * stage
+                lane.in_flight += 1
+                self.push(last, STEP_DONE, (gi, lane.name, batch, leap, now + stage))
+                continue
             last = now
             for _ in range(micro):
                 end = now
@@ -214,7 +228,23 @@ class _Simulation:
                     g.stage_free[k] = end
                 last = end
             lane.in_flight += 1
-            self.push(last, STEP_DONE, (gi, lane.name, batch))
+            self.push(last, STEP_DONE, (gi, lane.name, batch, 1, None))
+
+    def _leap(self, g: _GroupState, gi: int, lane: _Lane, batch: list[int], joined: int, stage: float,
+              now: float) -> int:
+        """How many steps of ``batch`` to run as one event: a group on one stage whose only busy lane decodes
+        (no prompt joining) repeats the same step until a request of the batch ends or a request for the
+        group may arrive; those steps are simulated as one, with the same outcomes. 1: no leap."""
+        if not self.jumps or g.config.pp != 1 or joined or lane.steps != 1 or lane.waiting or stage <= 0:
+            return 1
+        if any(other is not lane and other.has_work() for other in g.lanes.values()):
+            return 1
+        left = min(self.requests[r].output_tokens - self.done_tokens[r] for r in batch)
+        arrivals = self.arrivals[gi]
+        nxt = bisect.bisect_right(arrivals, now)
+        if nxt < len(arrivals):
+            left = min(left, int((arrivals[nxt] - now) / stage))
+        return left
 
     def _take_batch(self, g, lane) -> tuple[list[int], int, int]:
         """Admit waiting requests up to max_batch; (the step's requests, micro-batches, prompt tokens joining)."""

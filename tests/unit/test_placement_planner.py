@@ -370,3 +370,44 @@ def test_a_request_goes_to_the_replica_whose_cores_are_least_busy_over_every_mod
     assert least_loaded([0, 1], [1, 2, 1, 9], cores) == 0  # cores tie at 2: the fewest of A's own
     assert least_loaded([0, 1], [2, 2, 0, 9], cores) == 0  # a tie on both: the lowest index
     assert least_loaded([3, 1], [0, 1, 0, 0], cores) == 3  # no cores listed: its own in-flight only
+
+
+def test_scoring_a_placement_part_by_part_is_simulating_it_whole():
+    """The search's scorer simulates each connected part of a placement apart and keeps the parts it has seen;
+    on random placements (parts joined by shared models, groups alike, a model left out) its attainment is
+    exactly the whole simulation's."""
+    configs = [ONE, Config(2, 1)]
+    profiles = {m: model(m, 0.3, s, configs) for m, s in (("a", 0.02), ("b", 0.01), ("c", 0.005), ("d", 0.03))}
+    problem = _problem(profiles, 6, 1.0, {"a": 2.0, "b": 3.0, "c": 4.0, "d": 1.0}, cv=2.0, duration=20.0)
+    rng = random.Random(3)
+    score = planner._Scorer(problem)
+    for _ in range(40):
+        groups = tuple(Group(rng.choice(configs), tuple(sorted(rng.sample(sorted(profiles), rng.randint(0, 2)))))
+                       for _ in range(rng.randint(1, 5)))
+        placement = Placement(groups)
+        assert score(placement) == planner.attainment(problem, placement), str(placement)
+    seen = len(score._parts)
+    assert score(placement) == planner.attainment(problem, placement) and len(score._parts) == seen  # cached
+
+
+def test_a_lone_steady_batch_leaps_to_its_next_event_with_the_same_outcomes():
+    """The simulator runs the repeated decode steps of a group's only busy model as one event until a request
+    ends or one may arrive; every request's first and last token times and tokens are those of simulating
+    each step."""
+    from calid.placement import simulator
+
+    configs = [ONE, Config(1, 2)]
+    profiles = {m: model(m, 0.3, s, configs) for m, s in (("a", 0.02), ("b", 0.01), ("c", 0.005))}
+    problem = _problem(profiles, 4, 1.0, {"a": 1.0, "b": 2.0, "c": 0.5}, cv=3.0, duration=30.0)
+    placement = Placement((Group(ONE, ("a",)), Group(ONE, ("a", "b")), Group(Config(1, 2), ("c",))))
+
+    def run(jumps: bool):
+        sim = simulator._Simulation(placement, profiles, problem.requests, 16, False, 1.0)
+        sim.jumps = jumps
+        return sim.run(), sim.order
+
+    (stepped, events), (leapt, fewer) = run(False), run(True)
+    assert fewer < events / 2  # it leapt
+    for s, o in zip(stepped, leapt):
+        assert (o.tokens, o.error) == (s.tokens, s.error)
+        assert o.first_s == pytest.approx(s.first_s, abs=1e-9) and o.last_s == pytest.approx(s.last_s, abs=1e-9)
