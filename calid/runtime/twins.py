@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Hashable
 
+import numpy as np
 import torch
 
 from calid.runtime.kv_cache import common_prefix
@@ -26,20 +27,22 @@ def rows_of(inp: SeqInput) -> list[int]:
 
 def find_twins(inputs: list[SeqInput], cached: Callable[[Hashable], list[int]],
                align: Callable[[int, int], int] | None = None) -> dict[int, tuple[int, int]]:
-    """``{i: (j, shared)}``: input ``i`` is a twin of the earlier input ``j``: same cached ids, plain chains,
-    their first ``shared`` >= MIN_TWIN_TOKENS new ids equal, and every row ``i`` asks for among those is one
-    ``j`` asks for too. ``align(past, shared)``: where a runner whose rows depend on how a forward groups
-    them may cut a prefix that the two feeds go on past (llama.cpp's exact mode: a block boundary)."""
+    """``{i: (j, shared)}``: input ``i`` is a twin of the earlier input ``j``: same cached ids, their first
+    ``shared`` >= MIN_TWIN_TOKENS new ids equal and a plain chain in both (before any tree), and every row
+    ``i`` asks for among those is one ``j`` asks for too. ``align(past, shared)``: where a runner whose rows
+    depend on how a forward groups them may cut a prefix that the two feeds go on past (llama.cpp's exact
+    mode: a block boundary)."""
     leaders: dict[tuple, list[int]] = {}
     twins = {}
+    chains = {i: _chain_prefix(inp) for i, inp in enumerate(inputs) if len(inp.tokens) >= MIN_TWIN_TOKENS}
     for i, inp in enumerate(inputs):
-        if len(inp.tokens) < MIN_TWIN_TOKENS or inp.positions is not None or inp.ancestors is not None:
+        if chains.get(i, 0) < MIN_TWIN_TOKENS:
             continue
         past = cached(inp.seq_id)
         group = leaders.setdefault(tuple(past), [])
         for j in group:
             lead = inputs[j]
-            shared = common_prefix(lead.tokens, inp.tokens)
+            shared = min(common_prefix(lead.tokens, inp.tokens), chains[i], chains[j])
             if align is not None and not len(lead.tokens) == len(inp.tokens) == shared:
                 shared = align(len(past), shared)
             if (shared >= MIN_TWIN_TOKENS and lead.seq_id != inp.seq_id  # the same one twice: the forward's error
@@ -49,6 +52,19 @@ def find_twins(inputs: list[SeqInput], cached: Callable[[Hashable], list[int]],
         else:
             group.append(i)
     return twins
+
+
+def _chain_prefix(inp: SeqInput) -> int:
+    """How many leading new ids of ``inp`` are a plain chain that every later id sees: all of them without a
+    tree; with one (``ancestors``), the committed ids before the tree's nodes."""
+    if inp.ancestors is None:
+        return len(inp.tokens) if inp.positions is None else 0
+    a = inp.ancestors.cpu().numpy()
+    lower = np.tri(len(a), dtype=bool)
+    ok = (a == lower).all(axis=1) & (a | ~lower).all(axis=0)  # row c sees just 0..c; every later row sees c
+    if inp.positions is not None:
+        ok &= np.asarray(inp.positions) == inp.positions[0] + np.arange(len(a))
+    return len(a) if ok.all() else int(np.argmin(ok))
 
 
 def forward_sharing(inputs: list[SeqInput], cached: Callable[[Hashable], list[int]],
@@ -70,7 +86,9 @@ def forward_sharing(inputs: list[SeqInput], cached: Callable[[Hashable], list[in
         fork(inputs[j].seq_id, inp.seq_id, past[i] + shared)
         if shared < len(inp.tokens):
             own = [r - shared for r in rows_of(inp) if r >= shared]
-            tails[i] = SeqInput(inp.seq_id, inp.tokens[shared:], logits_at=own or None)
+            tails[i] = SeqInput(inp.seq_id, inp.tokens[shared:], logits_at=own or None,
+                                positions=None if inp.positions is None else list(inp.positions[shared:]),
+                                ancestors=None if inp.ancestors is None else inp.ancestors[shared:, shared:])
         stats.recomputed_tokens = max(0, stats.recomputed_tokens - min(shared, len(inp.tokens) - 1))
         stats.reused_tokens += shared
         stats.forked_sequences += 1

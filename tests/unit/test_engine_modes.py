@@ -322,11 +322,12 @@ def test_filter_cap_is_the_target_step_over_the_draft_step_and_leaves_no_sequenc
 
 
 @pytest.mark.parametrize("budget", [None, 40])
-@pytest.mark.parametrize("mode", ["ar", "speculative"])
+@pytest.mark.parametrize("mode", ["ar", "speculative", "tree", "lookahead", "filter", "rollback"])
 def test_n_sampled_choices_of_one_prompt_prefill_once(tiny_model, mode, budget):
     """Three seeded choices of one prompt (what an OpenAI request with n=3 becomes), with and without
     SARATHI's budget (which would chunk the second and third apart): one prefill on each model
-    (calid.runtime.twins), and each choice's tokens are those it gets alone."""
+    (calid.runtime.twins; a tree's prompt too), and each choice's tokens are those it gets alone. (auto's
+    sampled tokens hang on its timed plans, alone too.)"""
     prompt = list(range(3, 43))
 
     def run_seeds(seeds):
@@ -337,6 +338,6 @@ def test_n_sampled_choices_of_one_prompt_prefill_once(tiny_model, mode, budget):
 
     together, eng = run_seeds([11, 12, 13])
     assert eng.target.stats.forked_sequences == 2
-    assert eng.draft.stats.forked_sequences == (2 if mode == "speculative" else 0)
+    assert eng.draft.stats.forked_sequences == (0 if mode in ("ar", "lookahead") else 2)
     assert together == [run_seeds([s])[0][0] for s in (11, 12, 13)]
     assert len({tuple(t) for t in together}) > 1  # sampled on their own

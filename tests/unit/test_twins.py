@@ -50,3 +50,25 @@ def test_twins_are_fed_once_and_go_on_as_if_each_had_been_prefilled(tiny_model, 
     runner.release("a")  # the leader's cache going does not touch its twins'
     torch.testing.assert_close(runner.forward([SeqInput("b", [1])])[0],
                                alone(tiny_model, PROMPT + [8, 1], layout), atol=1e-5, rtol=1e-5)
+
+
+def test_a_tree_after_a_shared_prompt_is_fed_on_the_twins_fork(tiny_model):
+    """A tree verification's first call (the prompt, then the tree's nodes): the prompt is shared, each twin
+    feeds only its own tree, and its rows are those of its whole input alone."""
+    n = len(PROMPT)
+    ancestors = torch.ones(n + 3, n + 3, dtype=torch.bool).tril()
+    ancestors[n + 1, n] = False  # nodes: x at depth 1, y beside it, z under x
+    ancestors[n + 2, n + 1] = False
+    positions = list(range(n)) + [n, n, n + 1]
+    rows = [n - 1, n, n + 1, n + 2]
+    feeds = {"a": PROMPT + [5, 6, 7], "b": PROMPT + [8, 9, 10]}
+    runner = ModelRunner(tiny_model)
+    for s, ids in feeds.items():
+        runner.sync(s, ids)
+    out = runner.forward([SeqInput(s, ids, positions=positions, ancestors=ancestors, logits_at=rows)
+                          for s, ids in feeds.items()])
+    assert runner.stats.forked_sequences == 1 and runner.stats.tokens == n + 3 + 3
+    for (s, ids), got in zip(feeds.items(), out):
+        ref = ModelRunner(tiny_model).forward([SeqInput("x", ids, positions=positions, ancestors=ancestors,
+                                                        logits_at=rows)])[0]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
