@@ -97,12 +97,14 @@ class EdgeSessions:
         self._keep_s = keep_s
         self._sessions: dict[str, EdgeSession] = {}
 
-    async def relay(self, session: str, message: pb.CollaborateRequest | None, metadata: tuple) -> Relayed:
+    async def relay(self, session: str, message: pb.CollaborateRequest | None, metadata: tuple,
+                    first: bool) -> Relayed:
+        """``first``: the stream's first message, which opens the session (collaborate checks it is an open)."""
         s = self._sessions.get(session)
         if s is None:
             if message is None:
                 return Relayed(ended=True)
-            if message.WhichOneof("kind") != "open":  # the replica that held it is gone (or never had it)
+            if not first:  # the replica that held it is gone
                 return Relayed(ended=True, code=grpc.StatusCode.UNAVAILABLE,
                                details="the router replica holding this Collaborate session is gone; open a new one")
             s = self._sessions[session] = EdgeSession(self._router, metadata, lambda: self._forget(session))

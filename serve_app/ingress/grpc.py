@@ -97,17 +97,17 @@ class GrpcFront:
             yield ctx.code, ctx.details
 
     async def edge_relayed(self, session: str, message: pb.CollaborateRequest | None, metadata: tuple,
-                           replica: str | None = None) -> tuple:
+                           first: bool = False, replica: str | None = None) -> tuple:
         """One client message of a Collaborate stream a multi-model front relays (None: the client closed its
-        side; serve_app.ingress.edge_relay), run on the replica holding the session (``replica``, read by
-        Serve's request router): (this replica's id, what the message produced)."""
+        side; ``first``: the stream's first; serve_app.ingress.edge_relay), run on the replica holding the
+        session (``replica``, read by Serve's request router): (this replica's id, what the message produced)."""
         from ray import serve
 
         from serve_app.ingress.edge_relay import EdgeSessions
 
         if getattr(self, "edge_sessions", None) is None:
             self.edge_sessions = EdgeSessions(self, keep_s=self.cfg.edge_round_timeout_s)
-        relayed = await self.edge_sessions.relay(session, message, metadata)
+        relayed = await self.edge_sessions.relay(session, message, metadata, first)
         return serve.get_replica_context().replica_id.unique_id, relayed
 
     async def http_forwarded(self, method: str, path: str, headers: list, body: bytes):

@@ -142,7 +142,7 @@ class ModelFront:
         message = await anext(request_stream, None)
         if message is None:
             return
-        model = message.open.model if message.WhichOneof("kind") == "open" else ""
+        model = message.open.model if message.WhichOneof("kind") == "open" else ""  # else the router refuses it
         i = self._router(model, grpc_context)
         if i is None:
             raise RequestRefused(self._unknown(model))
@@ -151,7 +151,8 @@ class ModelFront:
         self.in_flight[i] += 1
         try:
             while True:
-                replica, out = await router.edge_relayed.remote(session, message, metadata, replica=replica)
+                replica, out = await router.edge_relayed.remote(session, message, metadata, first=replica is None,
+                                                                replica=replica)
                 for reply in out.replies:
                     yield reply
                 if out.ended:

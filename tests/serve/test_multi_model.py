@@ -175,6 +175,10 @@ def test_collaborate_reaches_the_model_it_names(multi_app, mclient):
                                                                                       mode="ar"))]),
                                   metadata=(("application", APP),), timeout=60))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "mode" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Collaborate(iter([pb.CollaborateRequest(round=pb.DraftRound(round=1, tokens=[1]))]),
+                                  metadata=(("application", APP),), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be open" in e.value.details()
     assert wait_until(lambda: _stats("smol")["requests"] == 0 and _stats("smol")["active"] == 0, 30)
 
 
