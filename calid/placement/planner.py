@@ -21,7 +21,10 @@ simulated once, and only models that miss some SLO get candidates, which keeps t
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,11 +41,16 @@ class LatencySlo:
 
     scale: float
     profile: ModelProfile
+    _limits: dict = field(default_factory=dict, repr=False, compare=False)  # (prompt, output) -> seconds
 
     def met(self, r: Request, o) -> bool:
         if o.error is not None or o.last_s is None or o.tokens < r.output_tokens:
             return False
-        return o.last_s - o.sent_s <= self.scale * self.profile.alone_latency_s(r.prompt_tokens, r.output_tokens)
+        key = (r.prompt_tokens, r.output_tokens)
+        limit = self._limits.get(key)
+        if limit is None:  # a search scores each request thousands of times
+            limit = self._limits[key] = self.scale * self.profile.alone_latency_s(*key)
+        return o.last_s - o.sent_s <= limit
 
 
 def _met(slo, r: Request, o) -> bool:
@@ -104,8 +112,9 @@ class _Scorer:
     Groups that share no model (directly or through other groups) never touch each other's requests, so a
     placement's outcomes are those of its parts simulated apart (the same events in the same order), and a
     search that grows one group re-simulates only the part that group is in: the others come from a cache (the
-    problem's, so that every planner of it shares it).
-    With ``corun`` > 1 every busy device slows the others, and whole placements are simulated."""
+    problem's, so that every planner of it shares it). ``many`` scores a search round's candidates, the parts
+    none has simulated yet spread over this machine's cores. With ``corun`` > 1 every busy device slows the
+    others, and whole placements are simulated."""
 
     def __init__(self, problem: Problem):
         self.problem, self.count = problem, 0
@@ -115,26 +124,62 @@ class _Scorer:
             self._of_model.setdefault(r.model, []).append(i)
 
     def __call__(self, placement: Placement) -> tuple[float, dict[str, float]]:
-        self.count += 1
+        return self.many([placement])[0]
+
+    def many(self, placements: list[Placement]) -> list[tuple[float, dict[str, float]]]:
+        self.count += len(placements)
         p = self.problem
         if p.corun != 1.0:
-            return attainment(p, placement)
+            return [attainment(p, placement) for placement in placements]
+        split = [_parts(placement) for placement in placements]
+        new = list(dict.fromkeys(part for parts in split for part in parts if part not in self._parts))
+        for part, outcomes in zip(new, _simulate_parts(p, new, [self._ids(part) for part in new])):
+            self._parts[part] = outcomes
+        return [self._score(parts) for parts in split]
+
+    def _ids(self, part: tuple[Group, ...]) -> list[int]:
+        return sorted(i for m in {m for g in part for m in g.models} for i in self._of_model.get(m, ()))
+
+    def _score(self, parts: list[tuple[Group, ...]]) -> tuple[float, dict[str, float]]:
+        p = self.problem
         outcomes: list = [None] * len(p.requests)
         hosted = set()
-        for groups in _parts(placement):
-            got = self._parts.get(groups)
-            models = {m for g in groups for m in g.models}
-            hosted |= models
-            ids = sorted(i for m in models for i in self._of_model.get(m, ()))
-            if got is None:
-                got = self._parts[groups] = simulate(Placement(groups), p.profiles, [p.requests[i] for i in ids],
-                                                     p.max_batch, p.overlap, p.corun)
-            for i, o in zip(ids, got):
+        for part in parts:
+            hosted |= {m for g in part for m in g.models}
+            for i, o in zip(self._ids(part), self._parts[part]):
                 outcomes[i] = o
         left = sorted(i for m in set(self._of_model) - hosted for i in self._of_model[m])
         for i, o in zip(left, simulate(Placement(()), p.profiles, [p.requests[i] for i in left])):
             outcomes[i] = o  # no group hosts its model: an error
         return attainment_of(p, outcomes)
+
+
+PARALLEL_PARTS = 8  # fewer new parts than this are simulated in this process (a worker's start costs more)
+_worker_problem: Problem | None = None
+
+
+def _simulate_parts(problem: Problem, parts: list[tuple[Group, ...]], ids: list[list[int]]) -> list[list]:
+    """Each part's outcomes (its requests: ``ids``), over the machine's cores when there are enough."""
+    workers = min(len(parts) // (PARALLEL_PARTS // 2), len(os.sched_getaffinity(0)))
+    jobs = list(zip(parts, ids))
+    if workers < 2:
+        return [_simulate_part(problem, part, i) for part, i in jobs]
+    global _worker_problem
+    _worker_problem = problem  # the forked workers find it here, instead of receiving it with every job
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_simulate_job, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+    finally:
+        _worker_problem = None
+
+
+def _simulate_job(job: tuple) -> list:
+    return _simulate_part(_worker_problem, *job)
+
+
+def _simulate_part(problem: Problem, part: tuple[Group, ...], ids: list[int]) -> list:
+    return simulate(Placement(part), problem.profiles, [problem.requests[i] for i in ids], problem.max_batch,
+                    problem.overlap, problem.corun)
 
 
 def _parts(placement: Placement) -> list[tuple[Group, ...]]:
@@ -211,8 +256,8 @@ def _greedy(problem: Problem, groups: list[Group], score: Callable, patience: in
                                 sorted(m for m in problem.profiles if per_model.get(m, 1.0) < 1.0))
         if not candidates:
             break
-        (current, per_model), placement = max(((score(c), c) for c in candidates),
-                                              key=lambda s: (s[0][0], -_used(problem, s[1])))
+        scores = score.many(candidates) if hasattr(score, "many") else [score(c) for c in candidates]
+        (current, per_model), placement = max(zip(scores, candidates), key=lambda s: (s[0][0], -_used(problem, s[1])))
         if _rank(problem, placement, current) > _rank(problem, *best[:2]):
             best, stale = (placement, current, per_model), 0
         elif not seeding:

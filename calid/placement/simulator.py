@@ -129,6 +129,7 @@ class _Simulation:
         # each group's arrivals to come (of the models it hosts), so a lone steady batch can leap to the next
         self.arrivals = [sorted(r.at_s for r in requests if r.model in g.models) for g in placement.groups]
         self.jumps = corun == 1.0  # contention makes a step's length depend on the others' steps
+        self._decode_s: dict = {}
         self.events: list[tuple[float, int, int, object]] = []  # (time, order, kind, payload)
         self.order = 0
 
@@ -151,6 +152,16 @@ class _Simulation:
     def push(self, t: float, kind: int, payload) -> None:
         self.order += 1
         heapq.heappush(self.events, (t, self.order, kind, payload))
+
+    def stage_s(self, name: str, config: Config, batch: int, prefill_tokens: float) -> float:
+        """The profile's stage time, its decode part looked up once per (model, config, batch)."""
+        key = (name, config, batch)
+        decode = self._decode_s.get(key)
+        if decode is None:
+            decode = self._decode_s[key] = self.profiles[name].stage_s(config, batch)
+        if not prefill_tokens:
+            return decode
+        return decode + self.profiles[name].latency[config].prefill_s_per_token * prefill_tokens / config.pp
 
     def contention(self, gi: int, now: float) -> float:
         """How much longer group ``gi``'s step takes for the other devices busy at ``now``."""
@@ -211,8 +222,8 @@ class _Simulation:
                 return
             lane = min(ready, key=lambda ln: (ln.ready_since, ln.name))
             batch, micro, joined = self._take_batch(g, lane)
-            stage = (self.profiles[lane.name].stage_s(g.config, -(-len(batch) // micro), joined / micro)
-                     * self.contention(gi, now))
+            stage = self.stage_s(lane.name, g.config, -(-len(batch) // micro), joined / micro)
+            stage *= self.contention(gi, now)
             leap = self._leap(g, gi, lane, batch, joined, stage, now)
             if leap > 1:
                 g.stage_free[0] = last = now + leap * stage
