@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from calid.backends import cpu_summary
 from calid.bench.report import write_report
 from calid.progress import progress
 
@@ -67,6 +68,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("structured", help="each mode with and without a JSON schema: tok/s, validity, mask cost")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
+    add_workload_args(p)
+    add_backend_args(p)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=run)
+
+
+def add_workload_args(p) -> None:
+    """The flags this bench and its served twin (serve_app.bench.structured_served) share."""
     p.add_argument("--small", action="store_true", help="SmolLM2-135M with its first 16 layers as the draft")
     p.add_argument("--modes", default=MODES, help=f"comma-separated (default {MODES})")
     p.add_argument("--concurrency", default="1,4", help="requests decoded together (default 1,4)")
@@ -74,28 +83,33 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds, each in the opposite order (default 1)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", default="bench_results")
-    add_backend_args(p)
-    p.add_argument("--device", default="cpu")
-    p.set_defaults(func=run)
+
+
+def checked(args) -> tuple[list[str], list[int]]:
+    """(modes, concurrency levels) of ``args``, or a one-line error."""
+    from calid.decoding.modes import MODES as KNOWN
+    from calid.errors import CalidError
+
+    modes = [m for m in args.modes.split(",") if m]
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip().isdigit()]
+    if not modes or any(m not in KNOWN for m in modes) or "ar" not in modes:
+        raise CalidError(f"--modes must include ar and name modes of {', '.join(KNOWN)}, got {args.modes!r}")
+    if not levels or min(levels) < 1 or args.prompts < 1 or args.rounds < 1 or args.max_new_tokens < 1:
+        raise CalidError("--concurrency, --prompts, --rounds and --max-new-tokens must be >= 1")
+    return modes, levels
 
 
 def run(args) -> int:
     import jsonschema
 
-    from calid.backends import build_engine, cpu_summary, open_model
+    from calid.backends import build_engine, open_model
     from calid.decoding.grammar import Grammar
-    from calid.decoding.modes import MODES as KNOWN, DecodeParams
-    from calid.errors import CalidError
+    from calid.decoding.modes import DecodeParams
     from calid.generation import GenerationRequest, SamplingParams
     from calid.models.presets import TEST_MODEL
     from calid.text import encode_prompt
 
-    modes = [m for m in args.modes.split(",") if m]
-    levels = [int(c) for c in args.concurrency.split(",") if c]
-    if not modes or any(m not in KNOWN for m in modes) or "ar" not in modes:
-        raise CalidError(f"--modes must include ar and name modes of {', '.join(KNOWN)}, got {args.modes!r}")
-    if not levels or min(levels) < 1 or args.prompts < 1 or args.rounds < 1 or args.max_new_tokens < 1:
-        raise CalidError("--concurrency, --prompts, --rounds and --max-new-tokens must be >= 1")
+    modes, levels = checked(args)
     target_spec, draft_spec = (TEST_MODEL, "self:16") if args.small else (args.target, args.draft)
     target = open_model(target_spec, args.backend, args.dtype, args.device)
     engine = build_engine(target, draft_spec, args.backend, args.dtype, args.device, max_batch=max(levels),
@@ -118,9 +132,8 @@ def run(args) -> int:
     engine.generate(requests("ar", True)[:1] + requests("speculative", True)[:1])  # warm-up: the grammar tokenizer
     step_ms = _step_ms(engine, prompts[0])
 
-    conditions = [(m, s, c) for c in levels for m in modes for s in (False, True)]
-    acc = {k: {"tokens": 0, "seconds": 0.0, "valid": 0, "n": 0, "draft": 0, "rows": 0, "mask_s": 0.0}
-           for k in conditions}
+    conditions = conditions_of(modes, levels)
+    acc = {k: new_tally() for k in conditions}
     with progress(len(conditions) * args.rounds, "bench structured", "condition") as bar:
         for r in range(args.rounds):
             for key in conditions if r % 2 == 0 else conditions[::-1]:
@@ -135,13 +148,35 @@ def run(args) -> int:
                         a["tokens"] += len(req_out.output_ids)
                         a["draft"] += req_out.stats.draft_tokens
                         a["n"] += 1
-                        a["valid"] += _valid(req_out.text, s, jsonschema)
+                        a["valid"] += valid(req_out.text, s, jsonschema)
                 a["rows"] += sum(m.rows for m in masks) - rows0
                 a["mask_s"] += sum(m.seconds for m in masks) - mask0
                 bar.update(1)
 
+    rows, notes = table(acc, modes, levels, step_ms)
+    meta = {"target": target.name, "draft": draft_spec, "backend": target.backend, "cpu": cpu_summary(),
+            "requests_per_condition": len(items), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+            "target_step_ms": round(step_ms, 1)}
+    js, md = write_report(Path(args.out), f"structured-{target.name}", "Each mode with and without a JSON schema",
+                          meta, rows, COLUMNS, notes)
+    print(md.read_text())
+    print(f"wrote {js} and {md}", file=sys.stderr)
+    return 0
+
+
+def conditions_of(modes: list[str], levels: list[int]) -> list[tuple[str, bool, int]]:
+    """(mode, with the schema, concurrency) in the order a round runs them."""
+    return [(m, s, c) for c in levels for m in modes for s in (False, True)]
+
+
+def new_tally() -> dict:
+    return {"tokens": 0, "seconds": 0.0, "valid": 0, "n": 0, "draft": 0, "rows": 0, "mask_s": 0.0}
+
+
+def table(acc: dict, modes: list[str], levels: list[int], step_ms: float) -> tuple[list[dict], list[str]]:
+    """The report's rows and notes from each condition's tally (``new_tally``)."""
     rows = []
-    for mode, schema, c in conditions:
+    for mode, schema, c in conditions_of(modes, levels):
         a, ar = acc[(mode, schema, c)], acc[("ar", schema, c)]
         tok_s = a["tokens"] / a["seconds"]
         rows.append({"mode": mode, "schema": "yes" if schema else "no", "concurrency": c, "tokens": a["tokens"],
@@ -163,14 +198,7 @@ def run(args) -> int:
                        for s in ("no", "yes"))
             if mode != "ar":
                 notes.append(f"{mode} at {c}: {off['vs_ar']:.2f}x ar without the schema, {on['vs_ar']:.2f}x with it")
-    meta = {"target": target.name, "draft": draft_spec, "backend": target.backend, "cpu": cpu_summary(),
-            "requests_per_condition": len(items), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-            "target_step_ms": round(step_ms, 1)}
-    js, md = write_report(Path(args.out), f"structured-{target.name}", "Each mode with and without a JSON schema",
-                          meta, rows, COLUMNS, notes)
-    print(md.read_text())
-    print(f"wrote {js} and {md}", file=sys.stderr)
-    return 0
+    return rows, notes
 
 
 def _step_ms(engine, ids: list[int], steps: int = 32) -> float:
@@ -188,7 +216,7 @@ def _step_ms(engine, ids: list[int], steps: int = 32) -> float:
     return (forward_s(1 + steps) - forward_s(1)) / steps * 1000
 
 
-def _valid(text: str, schema: dict, jsonschema) -> bool:
+def valid(text: str, schema: dict, jsonschema) -> bool:
     try:
         jsonschema.validate(json.loads(text), schema)
         return True

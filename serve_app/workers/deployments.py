@@ -217,12 +217,14 @@ class _WorkerBase:
         replicas report none of these."""
         cached = await asyncio.get_running_loop().run_in_executor(self._executor, self._cached)
         runner = getattr(getattr(self, "_runner", None), "stats", None)
+        grammar = getattr(getattr(self, "worker", None), "grammar", None)  # rows masked, seconds (structured output)
         return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending,
                 "busy_s": self._busy_s, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
                 **({"tokens": runner.tokens, "recomputed_tokens": runner.recomputed_tokens,
                      "reused_tokens": runner.reused_tokens, "forked_sequences": runner.forked_sequences,
                      "forwards": runner.forwards,
-                     "ubatches": runner.ubatches, "forward_s": runner.forward_s} if runner else {})}
+                     "ubatches": runner.ubatches, "forward_s": runner.forward_s} if runner else {}),
+                **({"grammar_rows": grammar.rows, "grammar_s": grammar.seconds} if grammar is not None else {})}
 
     def _cached(self) -> int:
         return self._runner.cached_count()
