@@ -388,6 +388,10 @@ def test_scoring_a_placement_part_by_part_is_simulating_it_whole():
         assert score(placement) == planner.attainment(problem, placement), str(placement)
     seen = len(score._parts)
     assert score(placement) == planner.attainment(problem, placement) and len(score._parts) == seen  # cached
+    fresh = planner._Scorer(planner.Problem(problem.profiles, problem.devices, problem.device_memory,
+                                            problem.requests, problem.slos))  # an empty cache
+    batch = [Placement((Group(ONE, (m,)), Group(ONE, (m, n)))) for m in profiles for n in profiles if n != m]
+    assert fresh.many(batch) == [planner.attainment(problem, b) for b in batch]  # 12 new parts: on the cores
 
 
 def test_a_lone_steady_batch_leaps_to_its_next_event_with_the_same_outcomes():
