@@ -118,7 +118,7 @@ class _Scorer:
 
     def __init__(self, problem: Problem):
         self.problem, self.count = problem, 0
-        self._parts: dict[tuple[Group, ...], list] = problem.simulated  # a part's groups -> its outcomes
+        self._parts: dict[tuple[Group, ...], tuple] = problem.simulated  # a part's groups -> (ids, outcomes)
         self._of_model: dict[str, list[int]] = {}  # a model's requests, by index
         for i, r in enumerate(problem.requests):
             self._of_model.setdefault(r.model, []).append(i)
@@ -133,8 +133,9 @@ class _Scorer:
             return [attainment(p, placement) for placement in placements]
         split = [_parts(placement) for placement in placements]
         new = list(dict.fromkeys(part for parts in split for part in parts if part not in self._parts))
-        for part, outcomes in zip(new, _simulate_parts(p, new, [self._ids(part) for part in new])):
-            self._parts[part] = outcomes
+        ids = [self._ids(part) for part in new]
+        for part, i, outcomes in zip(new, ids, _simulate_parts(p, new, ids)):
+            self._parts[part] = (i, outcomes)
         return [self._score(parts) for parts in split]
 
     def _ids(self, part: tuple[Group, ...]) -> list[int]:
@@ -146,7 +147,7 @@ class _Scorer:
         hosted = set()
         for part in parts:
             hosted |= {m for g in part for m in g.models}
-            for i, o in zip(self._ids(part), self._parts[part]):
+            for i, o in zip(*self._parts[part]):
                 outcomes[i] = o
         left = sorted(i for m in set(self._of_model) - hosted for i in self._of_model[m])
         for i, o in zip(left, simulate(Placement(()), p.profiles, [p.requests[i] for i in left])):
