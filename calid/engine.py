@@ -28,7 +28,7 @@ from calid.decoding.lookahead import LookaheadConfig
 from calid.decoding.grammar import GrammarTokens
 from calid.decoding.modes import DecodeParams
 from calid.generation import GenerationRequest, GenerationResult, RequestState, StreamEvent
-from calid.orchestrator import EngineConfigError, Orchestrator
+from calid.orchestrator import DraftCall, EngineConfigError, Orchestrator, VerifyCall, advance
 from calid.runtime.runner import ModelRunner
 from calid.workers import DraftWorker, TargetWorker
 
@@ -131,30 +131,42 @@ class Engine:
     # ---- one step -------------------------------------------------------------
 
     def _step(self, states: list[RequestState]) -> Iterator[StreamEvent]:
+        """Drive one step (Orchestrator.step) with the workers called in this process."""
         orch = self.orchestrator
         if not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
             self.calibrate()
         step_start = time.perf_counter()
-        tasks = orch.draft_tasks(states)
-        start = time.perf_counter()
-        self.times.plan_s += start - step_start
-        drafts = self.drafter.draft(tasks) if tasks else []
-        if drafts:
-            orch.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
-        events, verify = orch.after_draft(states, drafts)
-        yield from events
-        fed, start = self.target.stats.tokens, time.perf_counter()
-        results = self.verifier.verify(verify)
-        if verify:
-            fed = self.target.stats.tokens - fed
-            lengths = [1 + len(t.draft) for t in verify]  # the sequences' tokens, unless the forward fed others
-            orch.observe_verify(fed, time.perf_counter() - start, lengths=lengths if fed == sum(lengths) else None)
-        events = orch.after_verify(results)
-        seconds = time.perf_counter() - step_start
-        orch.observe_step(seconds)
+        step = orch.step(states)
+        io = advance(step)
+        while io is not None:
+            if isinstance(io, DraftCall):
+                self.times.plan_s += time.perf_counter() - step_start
+                io = advance(step, self._draft(io.tasks))
+            elif isinstance(io, VerifyCall):
+                io = advance(step, self._verify(io.tasks))
+            else:
+                yield from io.events
+                io = advance(step)
         self.times.steps += 1
-        self.times.step_s += seconds
-        yield from events
+        self.times.step_s += time.perf_counter() - step_start
+
+    def _draft(self, tasks: list) -> list:
+        if not tasks:
+            return []
+        start = time.perf_counter()
+        drafts = self.drafter.draft(tasks)
+        if drafts:
+            self.orchestrator.observe_draft(len(tasks), max(d.forwards for d in drafts), time.perf_counter() - start)
+        return drafts
+
+    def _verify(self, tasks: list) -> list:
+        fed, start = self.target.stats.tokens, time.perf_counter()
+        results = self.verifier.verify(tasks)
+        fed = self.target.stats.tokens - fed
+        lengths = [1 + len(t.draft) for t in tasks]  # the sequences' tokens, unless the forward fed others
+        self.orchestrator.observe_verify(fed, time.perf_counter() - start,
+                                         lengths=lengths if fed == sum(lengths) else None)
+        return results
 
     def forward_s(self) -> float:
         """Seconds inside the models' own forwards so far (every runner's ``stats.forward_s``)."""

@@ -12,16 +12,20 @@ plain-data calls to model workers (calid.workers.messages):
 A caller with a round trip to its target may first ``lengthen_plain_steps``: a
 step where every request decodes plain runs several tokens in one call.
 Mode ``ar`` skips step 1; ``lookahead`` drafts from the target worker's trie.
-The caller moves the tasks (a function call in-process, Ray Serve handles in
-serving) and delivers the returned StreamEvents.
+
+``Orchestrator.step`` is that sequence, once, for every caller: a generator
+that yields what it needs done (``DraftCall``, ``VerifyCall``, ``Deliver``) and
+is sent what came back. It does no I/O: calid.Engine answers with function
+calls, the Serve router (serve_app/router) with awaited worker calls, retries
+and failures of its own; both step the same way.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from collections import Counter
-from dataclasses import replace
-from typing import Callable, Hashable
+from dataclasses import dataclass, replace
+from typing import Callable, Generator, Hashable
 
 from calid.decoding.budget import AgreementTable, BudgetController
 from calid.decoding.modes import DecodeParams
@@ -42,6 +46,31 @@ MAX_RUN_STEPS = 8  # most plain steps one target call runs (lengthen_plain_steps
 
 class EngineConfigError(CalidError):
     """Draft and target cannot work together (e.g. different vocabularies), or a mode needs a missing draft."""
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """Run the draft worker on ``tasks`` (possibly none) and send back its DraftResults. A request the caller
+    could not draft for either goes without (no result) or is failed by the caller (``Orchestrator.finish``)."""
+
+    tasks: list[DraftTask]
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """Run the target worker on ``tasks`` and send back its VerifyResults (a failed request: finished, as above)."""
+
+    tasks: list[VerifyTask]
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Hand these events to their requests' streams; send back nothing."""
+
+    events: list[StreamEvent]
+
+
+StepIO = DraftCall | VerifyCall | Deliver
 
 
 class Orchestrator:
@@ -206,6 +235,23 @@ class Orchestrator:
         return self._step_decode.get(s.req.request_id, s.req.decode)
 
     # ---- one step ---------------------------------------------------------------------
+
+    def step(self, states: list[RequestState], own_drafts: list[DraftResult] = ()
+             ) -> Generator[StepIO, list | None, None]:
+        """One decoding step over ``states``, sans I/O (the module's docstring). ``own_drafts``: drafts the caller
+        already holds (an edge client's round): their requests are not planned or drafted here. The step is timed
+        from planning to the target's results for the planner's guard (``observe_step``)."""
+        start = time.perf_counter()
+        own = {d.request_id for d in own_drafts}
+        drafts = yield DraftCall(self.draft_tasks([s for s in states if s.req.request_id not in own]))
+        states = [s for s in states if s.req.request_id in self.active]  # what the caller failed is gone
+        events, verify = self.after_draft(states, [*(drafts or ()), *own_drafts])
+        if events:
+            yield Deliver(events)
+        if verify:
+            results = yield VerifyCall(verify)
+            yield Deliver(self.after_verify(results or []))
+        self.observe_step(time.perf_counter() - start)
 
     def draft_tasks(self, states: list[RequestState]) -> list[DraftTask]:
         for rid in self._plain:  # last step's fallbacks end with it
@@ -456,6 +502,14 @@ class Orchestrator:
             return
         step = ADAPT_STEP if accepted < proposed else -ADAPT_STEP
         s.set_threshold(min(0.99, max(0.0, s.threshold + step)))
+
+
+def advance(step: Generator[StepIO, list | None, None], reply: list | None = None) -> StepIO | None:
+    """Send ``reply`` into a step (Orchestrator.step) and return what it asks next; None once it is over."""
+    try:
+        return step.send(reply)
+    except StopIteration:
+        return None
 
 
 def draft_budget(mode: str, gamma: int, left: int) -> int:

@@ -38,7 +38,7 @@ from calid.models.loader import eos_token_ids, load_tokenizer
 from calid.models.source import served_name
 from calid.backends import model_facts
 from calid.runtime.llamacpp import slot_cells
-from calid.orchestrator import Orchestrator
+from calid.orchestrator import DraftCall, Orchestrator, VerifyCall, advance
 from calid.scaling import RateWindow
 from calid.v1 import calid_pb2 as pb
 from serve_app.cluster.config import ConfigError, load_config
@@ -389,46 +389,56 @@ class Router(GrpcFront):
         self.calls.release(gone)
 
     async def _step(self, states: list[RequestState]) -> None:
+        """Drive one step (Orchestrator.step) with the workers' calls, an edge request's round as its draft."""
         self._steps += 1
         if not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
             await self._calibrate()
-        start = time.perf_counter()
         edge = [r for s in states if (r := self._requests.get(s.req.request_id)) is not None and r.edge]
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
                   for r in edge for s in [self.orch.active[r.req.request_id]]}
-        tasks = self.orch.draft_tasks([s for s in states if s.req.request_id not in before])
-        drafts, failed = await self._draft(tasks) if tasks else ([], {})
-        states = self._drop_failed(states, failed)
+        step = self.orch.step(states, [self._edge_draft(r) for r in edge])
+        io = advance(step)
+        while io is not None:
+            if isinstance(io, DraftCall):
+                io = advance(step, await self._draft_step(io.tasks))
+            elif isinstance(io, VerifyCall):
+                io = advance(step, await self._verify_step(io.tasks, states, bool(edge)))
+            else:
+                self._deliver(io.events)
+                io = advance(step)
+        self._end_rounds(edge, before)
+        self._count_tokens([s for s in states if s.req.request_id in self.orch.active])
+        if self._steps % COST_EXPORT_STEPS == 1:
+            self._metrics.costs(self.orch.verify_cost, self.orch.draft_cost, self.orch.replica_costs)
+
+    async def _draft_step(self, tasks: list) -> list:
+        if not tasks:
+            return []
+        drafts, failed = await self._draft(tasks)
+        self._drop_failed(failed)
         for _, group, reply, seconds in self.calls.timed["draft"] if drafts else ():  # a draft step per replica
             if reply.results:
                 self.orch.observe_draft(len(group), max(d.forwards for d in reply.results), seconds)
-        drafts += [self._edge_draft(r) for r in edge]  # the clients' own drafts
-        events, verify = self.orch.after_draft(states, drafts)
-        self._deliver(events)
-        if verify and not edge and not self._waiting:  # a request waiting for a slot would wait out the run
+        return drafts
+
+    async def _verify_step(self, verify: list, states: list[RequestState], edge: bool) -> list:
+        if not edge and not self._waiting:  # a request waiting for a slot would wait out the run
             if self.orch.lengthen_plain_steps(verify, self.cfg.plain_run_ms / 1000) > 1:
                 self._in_runs = {self.calls.replica_of("target", t.request_id) for t in verify}
-        if verify:
-            self._max_escalation = max(self._max_escalation, len(verify))
-            self._metrics.escalation_batch.observe(len(verify))
-            try:
-                results, failed = await self.calls.call("target", verify)
-            finally:
-                self._in_runs = set()
-            states = self._drop_failed(states, failed)
-            if (
-                all(s.stats.target_calls for s in states) and not failed
-            ):  # decode steps only: a prefill's size is unknown here
-                for replica, group, reply, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
-                    forwards = max((r.forwards for r in reply.results), default=1)  # a run of plain steps: per step
-                    lengths = [1 + len(t.draft) for t in group]
-                    self.orch.observe_verify(sum(lengths), seconds / forwards, replica, lengths)
-            self._deliver(self.orch.after_verify(results))
-        self.orch.observe_step(time.perf_counter() - start)
-        self._end_rounds(edge, before)
-        self._count_tokens(states)
-        if self._steps % COST_EXPORT_STEPS == 1:
-            self._metrics.costs(self.orch.verify_cost, self.orch.draft_cost, self.orch.replica_costs)
+        self._max_escalation = max(self._max_escalation, len(verify))
+        self._metrics.escalation_batch.observe(len(verify))
+        try:
+            results, failed = await self.calls.call("target", verify)
+        finally:
+            self._in_runs = set()
+        self._drop_failed(failed)
+        if not failed and all(s.stats.target_calls for s in states if s.req.request_id in self.orch.active):
+            # decode steps only: a prefill's size is unknown here
+            for replica, group, reply, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
+                forwards = max((r.forwards for r in reply.results), default=1)  # a run of plain steps: per step
+                lengths = [1 + len(t.draft) for t in group]
+                self.orch.observe_verify(sum(lengths), seconds / forwards, replica, lengths)
+        return results
 
     async def _draft(self, tasks: list) -> tuple[list, dict]:
         """The draft workers' results; when they cannot be reached (their node lost, replicas restarting), the
@@ -481,11 +491,10 @@ class Router(GrpcFront):
                 r.round = None
                 r.events.put_nowait(RoundEnd(s.stats.draft_tokens - drafted))
 
-    def _drop_failed(self, states: list[RequestState], failed: dict[str, Failure]) -> list[RequestState]:
-        """Fail the requests a worker could not serve; the others go on."""
+    def _drop_failed(self, failed: dict[str, Failure]) -> None:
+        """Fail the requests a worker could not serve (they leave the orchestrator); the others go on."""
         for rid, failure in failed.items():
             self._deliver_failure(rid, failure)
-        return [s for s in states if s.req.request_id not in failed] if failed else states
 
     async def _calibrate(self) -> None:
         """The workers' measured forward costs, the auto mode planner's starting point (refined live). A worker
