@@ -1,11 +1,10 @@
-"""The clients. Request building and response decoding are shared; transport is grpc or grpc.aio."""
+"""The clients: AsyncClient over grpc.aio, and Client, the same calls blocking (it runs an AsyncClient)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import queue
-import time
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
@@ -136,8 +135,10 @@ def _credentials(tls: bool | str) -> grpc.ChannelCredentials | None:
         raise ValueError(f"tls: cannot read the CA certificate {tls}: {e.strerror}") from None
 
 
-class _Base:
-    """``api_key`` (default: $CALID_API_KEY) goes out as ``authorization: Bearer <key>``; ``tls`` is False
+class AsyncClient:
+    """asyncio client (grpc.aio); create it inside a running event loop (Client is its blocking form).
+
+    ``api_key`` (default: $CALID_API_KEY) goes out as ``authorization: Bearer <key>``; ``tls`` is False
     (plaintext), True (TLS, system roots) or the path of a PEM CA certificate to trust.
 
     ``local_draft`` (a model spec, e.g. "qwen2.5-coder-0.5b-instruct", or "self:N" for the first N layers
@@ -160,6 +161,10 @@ class _Base:
 
             self._local = (local_draft if isinstance(local_draft, LocalDraft)
                            else LocalDraft(local_draft, draft_threads))
+        self._channel = (grpc.aio.secure_channel(address, self._creds) if self._creds
+                         else grpc.aio.insecure_channel(address))
+        self._cancels: set[asyncio.Task] = set()
+        self._stub = pb_grpc.CalidStub(self._channel)
 
     def _at_edge(self, kw: dict) -> bool:
         """Whether this request is drafted here (fills in the mode a local draft defaults to)."""
@@ -192,109 +197,6 @@ class _Base:
             raise from_rpc_error(e, request_id) from None
         return self.backoff_s * 2**attempt
 
-
-class Client(_Base):
-    """Blocking client."""
-
-    def __init__(self, address: str = "127.0.0.1:50051", **kw):
-        super().__init__(address, **kw)
-        self._channel = (grpc.secure_channel(address, self._creds) if self._creds else grpc.insecure_channel(address))
-        self._stub = pb_grpc.CalidStub(self._channel)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def _unary(self, method, msg, timeout: float | None, request_id: str | None = None):
-        for attempt in range(self.retries + 1):
-            try:
-                return method(msg, **self._call_args(timeout, request_id))
-            except grpc.RpcError as e:
-                time.sleep(self._backoff(e, attempt, request_id))
-
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
-        if self._at_edge(kw):
-            return _collect(self._collaborate(build_request(prompt, **kw), timeout))
-        msg = build_request(prompt, **kw)
-        return _completion(self._unary(self._stub.Generate, msg, timeout, msg.request_id))
-
-    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
-        if self._at_edge(kw):
-            yield from self._collaborate(build_request(prompt, **kw), timeout)
-            return
-        msg = build_request(prompt, **kw)
-        for attempt in range(self.retries + 1):
-            call = self._stub.GenerateStream(msg, **self._call_args(timeout, msg.request_id))
-            started = finished = ended = False
-            try:
-                for c in call:
-                    started, finished = True, bool(c.finish_reason)
-                    yield _chunk(c)
-                return
-            except grpc.RpcError as e:
-                ended = True  # the server ended it: nothing to cancel
-                time.sleep(self._backoff(e, attempt, msg.request_id, started))
-            finally:
-                call.cancel()  # a consumer that stops early tells the server to free the request...
-                if not (finished or ended):
-                    self._cancel(msg.request_id)  # ...and says so in a call of its own (docs/serving.md: Faults)
-
-    def _collaborate(self, msg: pb.GenerateRequest, timeout: float | None) -> Iterator[Chunk]:
-        """Drive Collaborate with the local draft; retried like a stream, only before the first reply."""
-        from calid.client.edge import EdgeSession
-
-        name = self._target_of(self.list_models()) if self._local.needs_target_name else None
-        drafter = self._local.drafter(name)
-        for attempt in range(self.retries + 1):
-            session, outbox = EdgeSession(self._local, drafter, msg), queue.SimpleQueue()
-            outbox.put(session.opening())
-            call = self._stub.Collaborate(iter(outbox.get, None), **self._call_args(timeout, msg.request_id))
-            started = False
-            try:
-                for reply in call:
-                    started = True
-                    chunk = _edge_chunk(reply)
-                    if chunk is not None:
-                        yield chunk
-                    following = session.advance(reply)
-                    if following is None:
-                        return
-                    outbox.put(following)
-                raise _ended_early(msg.request_id)
-            except grpc.RpcError as e:
-                time.sleep(self._backoff(e, attempt, msg.request_id, started))
-            finally:
-                outbox.put(None)  # ends the request stream
-                call.cancel()
-                session.close()
-
-    def _cancel(self, request_id: str) -> None:
-        try:
-            self._stub.Cancel(pb.CancelRequest(request_id=request_id), **self._call_args(CANCEL_TIMEOUT_S, request_id))
-        except grpc.RpcError:
-            pass  # best effort: the server frees the request at its end anyway
-
-    def health(self, timeout: float | None = 10.0) -> pb.HealthResponse:
-        return self._unary(self._stub.Health, pb.HealthRequest(), timeout)
-
-    def list_models(self, timeout: float | None = 10.0) -> pb.ListModelsResponse:
-        return self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout)
-
-
-class AsyncClient(_Base):
-    """asyncio client (grpc.aio); create it inside a running event loop."""
-
-    def __init__(self, address: str = "127.0.0.1:50051", **kw):
-        super().__init__(address, **kw)
-        self._channel = (grpc.aio.secure_channel(address, self._creds) if self._creds
-                         else grpc.aio.insecure_channel(address))
-        self._cancels: set[asyncio.Task] = set()
-        self._stub = pb_grpc.CalidStub(self._channel)
 
     async def __aenter__(self):
         return self
@@ -385,3 +287,73 @@ class AsyncClient(_Base):
 
     async def list_models(self, timeout: float | None = 10.0) -> pb.ListModelsResponse:
         return await self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout)
+
+
+class Client:
+    """Blocking client: an AsyncClient (every argument is its) run on an event loop of this client's own, on one
+    thread, so that blocking and asyncio callers share one code path: requests, retries, streams, Collaborate.
+    Safe to share between threads."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", **kw):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="calid-client", daemon=True)
+        self._thread.start()
+        try:
+            self._async = self._run(_open_async(address, kw))  # grpc.aio wants its channel made on its loop
+        except BaseException:
+            self._stop()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._async.close())
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def _run(self, coro):
+        """Run ``coro`` on the client's loop and wait for it; an interrupt here cancels it there."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Completion:
+        return self._run(self._async.generate(prompt, timeout=timeout, **kw))
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[Chunk]:
+        chunks = self._async.stream(prompt, timeout=timeout, **kw)
+        try:
+            while True:
+                try:
+                    chunk = self._run(anext(chunks))
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:  # a consumer that stops early: the async stream's own close tells the server to free it
+            if not self._loop.is_closed():
+                self._run(chunks.aclose())
+
+    def health(self, timeout: float | None = 10.0) -> pb.HealthResponse:
+        return self._run(self._async.health(timeout))
+
+    def list_models(self, timeout: float | None = 10.0) -> pb.ListModelsResponse:
+        return self._run(self._async.list_models(timeout))
+
+
+async def _open_async(address: str, kw: dict) -> "AsyncClient":
+    return AsyncClient(address, **kw)
