@@ -144,7 +144,7 @@ class _Simulation:
             if kind == STEP_DONE:
                 gi, name, batch, steps, first_end = payload
                 self.step_done(gi, name, batch, now, steps, first_end)
-            else:
+            elif self.groups[payload].wake_at == now:  # else a stale wake-up: one for an earlier time served it
                 self.groups[payload].wake_at = None
                 self.start_steps(payload, now)
         return self.outcomes
