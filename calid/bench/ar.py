@@ -98,17 +98,7 @@ def run(args) -> int:
             bar.update(1)
 
     tok1 = {k: v[1] / v[0] for k, v in totals.items()}
-    rows = [{"system": name, "batch": 1, "tokens": totals[name][1], "seconds": totals[name][0], "tok_s": tok1[name],
-             "ratio_vs_peer": tok1[name] / tok1[peer], "limit_tok_s": limit1,
-             "same_tokens_as_peer": "-" if name == peer else f"{totals[name][2]}/{n_prompts}"} for name in systems]
-    b_peer = batch_runs.get(peer)
-    for name, (secs, outs) in batch_runs.items():
-        same = sum(a == b for a, b in zip(outs, b_peer[1])) if b_peer else None
-        rows.append({"system": name, "batch": args.batch, "tokens": args.batch * new_tokens, "seconds": secs,
-                     "tok_s": args.batch * new_tokens / secs,
-                     "ratio_vs_peer": (b_peer[0] / secs) if b_peer else "-",
-                     "limit_tok_s": args.batch * limit1,
-                     "same_tokens_as_peer": "-" if name == peer or same is None else f"{same}/{args.batch}"})
+    rows = _rows(totals, batch_runs, peer, n_prompts, args.batch, new_tokens, limit1)
     scaling = rows[-len(batch_runs)]["tok_s"] / tok1["calid AR"]
     meta = {"model": lm.name, "backend": lm.backend, "dtype": lm.dtype, "device": args.device,
             "weight_bytes_read_per_step": lm.decode_read_bytes, "bandwidth_GBps": round(bandwidth, 1),
@@ -128,6 +118,24 @@ def run(args) -> int:
     print(md.read_text())
     print(f"wrote {js} and {md}", file=sys.stderr)
     return 0
+
+
+def _rows(totals: dict, batch_runs: dict, peer: str, n_prompts: int, batch: int, new_tokens: int,
+          limit1: float) -> list[dict]:
+    """The table: each system at batch 1 (``totals``: seconds, tokens, sequences as the peer's), then batched."""
+    tok1 = {k: v[1] / v[0] for k, v in totals.items()}
+    rows = [{"system": name, "batch": 1, "tokens": totals[name][1], "seconds": totals[name][0], "tok_s": tok1[name],
+             "ratio_vs_peer": tok1[name] / tok1[peer], "limit_tok_s": limit1,
+             "same_tokens_as_peer": "-" if name == peer else f"{totals[name][2]}/{n_prompts}"} for name in totals]
+    b_peer = batch_runs.get(peer)
+    for name, (secs, outs) in batch_runs.items():
+        same = sum(a == b for a, b in zip(outs, b_peer[1])) if b_peer else None
+        rows.append({"system": name, "batch": batch, "tokens": batch * new_tokens, "seconds": secs,
+                     "tok_s": batch * new_tokens / secs,
+                     "ratio_vs_peer": (b_peer[0] / secs) if b_peer else "-",
+                     "limit_tok_s": batch * limit1,
+                     "same_tokens_as_peer": "-" if name == peer or same is None else f"{same}/{batch}"})
+    return rows
 
 
 def _one_by_one(generate, batch: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:

@@ -140,7 +140,19 @@ def run(args) -> int:
     meta = {"target": cfg.target, "draft": cfg.draft, "modes": ",".join(modes), "cpu": cpu_summary(),
             "slo_ttft_s": round(slo.ttft_s, 3), "slo_tpot_s": round(slo.tpot_s, 3),
             "capacity_rps": round(capacity_rps, 3) if rates else "-", "trace": Path(args.trace).name if rates else "-"}
-    notes = [
+    notes = _notes(args)
+    name = f"load-{'small' if args.small else 'qwen'}"
+    js, md = write_report(Path(args.out), name, "goodput under load, per mode, through gRPC", meta, rows, COLUMNS,
+                          notes)
+    png = load_curves(rows, loads, Path(args.out) / f"{name}.png")
+    print(md.read_text())
+    print(_verdict(rows, loads), file=sys.stderr)
+    print(f"wrote {js}, {md} and {png}", file=sys.stderr)
+    return 0
+
+
+def _notes(args) -> list[str]:
+    return [
         "goodput = output tokens/s of the requests that met the SLO (TTFT and TPOT); goodput_vs_ar: ratio to ar "
         "at the same load",
         "c<N>: N clients in a closed loop; light / capacity / overload: the trace replayed at 0.25x / 1x / 2x "
@@ -151,14 +163,6 @@ def run(args) -> int:
         "draft_share = the router's time waiting for draft calls / its step time: the most that drafting the next "
         "step while the target verifies this one (LLMCad's draft-while-verify) could take off a step",
     ]
-    name = f"load-{'small' if args.small else 'qwen'}"
-    js, md = write_report(Path(args.out), name, "goodput under load, per mode, through gRPC", meta, rows, COLUMNS,
-                          notes)
-    png = load_curves(rows, loads, Path(args.out) / f"{name}.png")
-    print(md.read_text())
-    print(_verdict(rows, loads), file=sys.stderr)
-    print(f"wrote {js}, {md} and {png}", file=sys.stderr)
-    return 0
 
 
 @contextmanager

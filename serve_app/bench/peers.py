@@ -80,19 +80,10 @@ def run(args) -> int:
     from calid.backends import cpu_summary, gguf_file, open_model
     from calid.bench.data import workload_prompts
     from calid.bench.hardware import decode_limit_tok_s, memory_bandwidth_gbs
-    from calid.bench.report import parse_numbers, write_report
-    from calid.decoding.modes import MODES
-    from calid.errors import CalidError
+    from calid.bench.report import write_report
     from serve_app.cluster.config import AppConfig, with_plain_run_ms
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    sweep = sorted(set(parse_numbers(args.concurrency, int)))
-    if any(m not in MODES for m in modes) or any(p not in PEERS for p in peers) or not sweep or min(sweep) < 1:
-        raise CalidError(f"--modes among {', '.join(MODES)}, --peers among {', '.join(PEERS)}, --concurrency >= 1")
-    if args.rounds < 1:
-        raise CalidError("--rounds takes a count >= 1")
-    modes = ["ar"] + [m for m in modes if m != "ar"]
+    modes, peers, sweep = _parse(args)
     threads = args.threads or os.cpu_count() or 1
     cfg = (AppConfig.small if args.small else AppConfig)(grpc_port=_free_port(), http_port=args.port,
                                                          max_active=max(16, max(sweep)), worker_threads=threads,
@@ -140,16 +131,7 @@ def run(args) -> int:
             **({"replay": f"{replay.name}: {len(replay.trace)} requests at {replay.rate:.3f}/s ({args.trace_rate:g} x "
                           f"calid ar's {replay.capacity:.3f}/s), {replay.mean_prompt:.0f} prompt / "
                           f"{replay.mean_output:.0f} output tokens on average"} if replay else {})}
-    notes = ["tok_s: output tokens of all requests / wall time of the point (first send to last token), median of "
-             "the rounds; c<N>: N clients in a closed loop (each sends its next request when the last one ends); "
-             "trace: the Azure trace replayed open-loop (each request sent at its arrival time; first round only); "
-             "tok_s_vs_calid_ar: median of rounds_vs_calid_ar, each round's ratio to calid ar at the same load in "
-             "that round (servers in reverse order every other round)",
-             "TTFT: send to first streamed token; TPOT: (last - first token) / (tokens - 1), per request; slo_met: "
-             f"share of requests with TTFT and TPOT within the SLO ({args.slo_scale:g} x calid ar's p50 at "
-             f"c{sweep[0]})",
-             "limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
-    notes += [f"not run: {peer}: {why}" for peer, why in skipped.items()]
+    notes = _notes(args.slo_scale, sweep[0]) + [f"not run: {peer}: {why}" for peer, why in skipped.items()]
     name = f"peers-{'small' if args.small else 'qwen'}"
     js, md = write_report(Path(args.out), name, "calid vs the servers a user would pick instead (one OpenAI client)",
                           meta, rows, COLUMNS, notes)
@@ -157,6 +139,34 @@ def run(args) -> int:
     print(md.read_text())
     print(f"wrote {js}, {md} and {png}", file=sys.stderr)
     return 0
+
+
+def _parse(args) -> tuple[list[str], list[str], list[int]]:
+    """(calid modes, ar first; peers; concurrencies), or a one-line error."""
+    from calid.bench.report import parse_numbers
+    from calid.decoding.modes import MODES
+    from calid.errors import CalidError
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    sweep = sorted(set(parse_numbers(args.concurrency, int)))
+    if any(m not in MODES for m in modes) or any(p not in PEERS for p in peers) or not sweep or min(sweep) < 1:
+        raise CalidError(f"--modes among {', '.join(MODES)}, --peers among {', '.join(PEERS)}, --concurrency >= 1")
+    if args.rounds < 1:
+        raise CalidError("--rounds takes a count >= 1")
+    return ["ar"] + [m for m in modes if m != "ar"], peers, sweep
+
+
+def _notes(slo_scale: float, first_concurrency: int) -> list[str]:
+    return ["tok_s: output tokens of all requests / wall time of the point (first send to last token), median of "
+            "the rounds; c<N>: N clients in a closed loop (each sends its next request when the last one ends); "
+            "trace: the Azure trace replayed open-loop (each request sent at its arrival time; first round only); "
+            "tok_s_vs_calid_ar: median of rounds_vs_calid_ar, each round's ratio to calid ar at the same load in "
+            "that round (servers in reverse order every other round)",
+            "TTFT: send to first streamed token; TPOT: (last - first token) / (tokens - 1), per request; slo_met: "
+            f"share of requests with TTFT and TPOT within the SLO ({slo_scale:g} x calid ar's p50 at "
+            f"c{first_concurrency})",
+            "limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
 
 
 class PeerUnavailable(Exception):

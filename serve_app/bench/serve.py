@@ -107,11 +107,7 @@ def run(args) -> int:
                 progress(len(modes) * (2 * n + 2), "bench serve", "run") as bar:
             c.generate(texts[0], max_new_tokens=4, raw_prompt=False)  # warm-up both paths
             engine.generate([GenerationRequest(ids[0], SamplingParams(max_new_tokens=4))])
-            rtt = []
-            for _ in range(30):  # the floor of any call: client -> Serve gRPC proxy -> router replica -> back
-                t = time.perf_counter()
-                c.health()
-                rtt.append((time.perf_counter() - t) * 1000)
+            rtt = _health_rtt_ms(c)
             for mode in modes:
                 run = _ModeRun(cfg, engine, c, address, mode, texts, ids, new, limit1)
                 rows.append(run.one_at_a_time(n, bar))
@@ -121,11 +117,30 @@ def run(args) -> int:
     meta = {"target": cfg.target, "draft": cfg.draft, "new_tokens": new, "bandwidth_GBps": round(bandwidth, 1),
             "health_rtt_ms_p50": round(_p50(rtt), 1),
             "target_weight_bytes_per_step": target.decode_read_bytes}
-    notes = [
+    notes = _notes(bandwidth, _p50(rtt), target.decode_read_bytes)
+    js, md = write_report(Path(args.out), f"serve-{'qwen' if args.qwen else 'small'}",
+                          "calid over gRPC + Ray Serve vs in-process", meta, rows, COLUMNS, notes)
+    print(md.read_text())
+    print(f"wrote {js} and {md}", file=sys.stderr)
+    return 0
+
+
+def _health_rtt_ms(c) -> list[float]:
+    """30 Health calls: the floor of any call (client -> Serve gRPC proxy -> router replica -> back), in ms."""
+    rtt = []
+    for _ in range(30):
+        t = time.perf_counter()
+        c.health()
+        rtt.append((time.perf_counter() - t) * 1000)
+    return rtt
+
+
+def _notes(bandwidth: float, rtt_ms: float, weight_bytes: int) -> list[str]:
+    return [
         "ratio = in-process time / gRPC time (1.0 = serving costs nothing; < 1 = serving is slower)",
         "overhead_ms_p50 = per-request gRPC latency - in-process latency (concurrency C: whole burst)",
         "ingress_ms_p50 = client latency - the router's own request time (gRPC proxy, admission, response); "
-        f"a Health call (no work at all) takes {_p50(rtt):.1f} ms p50 through the same proxy",
+        f"a Health call (no work at all) takes {rtt_ms:.1f} ms p50 through the same proxy",
         "per_step_ms_p50 = (router time - in-process time) / decoding steps: the cost of the draft and target calls, "
         "and of the served forwards sharing the machine's cores with the client, proxy and router",
         "serving_ms_per_step = (the router's step time - the workers' forward time) / router steps, from the "
@@ -135,15 +150,10 @@ def run(args) -> int:
         "1, the served forwards themselves ran slower (on a small machine they share its cores with the client, "
         "the gRPC proxy and the router)",
         f"limit = bandwidth {bandwidth:.1f} GB/s / target weight bytes per step "
-        f"{target.decode_read_bytes / 1e9:.2f} GB "
+        f"{weight_bytes / 1e9:.2f} GB "
         "(x concurrency for a batch that reads the weights once per step)",
         "same_tokens counts greedy outputs identical token for token on both paths",
     ]
-    js, md = write_report(Path(args.out), f"serve-{'qwen' if args.qwen else 'small'}",
-                          "calid over gRPC + Ray Serve vs in-process", meta, rows, COLUMNS, notes)
-    print(md.read_text())
-    print(f"wrote {js} and {md}", file=sys.stderr)
-    return 0
 
 
 class _ModeRun:
