@@ -41,6 +41,8 @@ class Outcome:
     last_s: float | None
     tokens: int
     error: str | None = None
+    prompt: str = ""  # what the client asked (a chat's user message), and the text it got back: kept by the
+    text: str = ""  # benchmarks that read the outputs themselves (the n-gram-copyable share)
 
     @property
     def ttft_s(self) -> float | None:

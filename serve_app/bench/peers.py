@@ -39,7 +39,7 @@ from calid.bench.data import WORKLOADS
 from serve_app.cluster.config import add_topology_arg
 
 COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "tok_s_vs_calid_ar",
-           "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met", "limit_tok_s"]
+           "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met", "ngram_share", "limit_tok_s"]
 PEERS = ("llama-cpp-python", "llama-server")
 PROMPTS = 240  # prompts a run draws from, in turn
 
@@ -90,7 +90,8 @@ def run(args) -> int:
                                                          topology=args.topology)
     cfg = with_plain_run_ms(cfg, args.plain_run_ms)
     gguf = str(gguf_file(cfg.target, False))
-    weight_bytes = open_model(cfg.target, log=lambda line: None, show_progress=False).decode_read_bytes
+    target = open_model(cfg.target, log=lambda line: None, show_progress=False)
+    weight_bytes = target.decode_read_bytes
     bandwidth = memory_bandwidth_gbs()
     limit = decode_limit_tok_s(bandwidth, weight_bytes)
     # every point takes the next ones: a prompt never repeats within a server's run
@@ -123,7 +124,7 @@ def run(args) -> int:
             except PeerUnavailable as e:
                 skipped[server] = str(e)
                 print(f"bench peers: {server} not run: {e}", file=sys.stderr)
-    rows, slo = _rows(runs, args.slo_scale, limit)
+    rows, slo = _rows(runs, args.slo_scale, limit, target.tokenizer)
     meta = {"model": cfg.target, "gguf": Path(gguf).name, "workload": args.workload, "topology": cfg.topology,
             "threads": threads, "cpu": cpu_summary(),
             "bandwidth_GBps": round(bandwidth, 1), "new_tokens": args.max_new_tokens,
@@ -166,6 +167,9 @@ def _notes(slo_scale: float, first_concurrency: int) -> list[str]:
             "TTFT: send to first streamed token; TPOT: (last - first token) / (tokens - 1), per request; slo_met: "
             f"share of requests with TTFT and TPOT within the SLO ({slo_scale:g} x calid ar's p50 at "
             f"c{first_concurrency})",
+            "ngram_share: of the output tokens of the chat requests, those an n-gram proposal from the request's own "
+            "text (prompt through the chat template, and output so far) would have predicted: what copying drafts "
+            "(auto's n-gram chains, Lookahead, llama-server's ngram speculation) can find, before any cost",
             "limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
 
 
@@ -332,11 +336,11 @@ def _say(server: str, mode: str, where: str, outs: list) -> None:
         print(f"    first error: {outs[0].error}", file=sys.stderr)
 
 
-def _rows(runs: list, slo_scale: float, limit: float) -> tuple[list[dict], object]:
+def _rows(runs: list, slo_scale: float, limit: float, tokenizer=None) -> tuple[list[dict], object]:
     """One row per server, mode and load, from runs (server, mode, load, outcomes, round), scored against an SLO
     of ``slo_scale`` x calid ar's TTFT and TPOT p50 at the lowest concurrency (its requests of every round).
     tok_s: the median of the rounds; its ratio: the median of each round's ratio to calid ar's in that round;
-    latencies and counts: every round's requests together."""
+    latencies and counts: every round's requests together; ngram_share (with a ``tokenizer``): _ngram_share."""
     from calid.placement import traffic as load
 
     def tok_s(outs):
@@ -359,8 +363,25 @@ def _rows(runs: list, slo_scale: float, limit: float) -> tuple[list[dict], objec
             "tok_s": statistics.median(tok_s(outs) for outs in by_round.values()),
             "tok_s_vs_calid_ar": statistics.median(ratios),
             "rounds_vs_calid_ar": " ".join(f"{r:.2f}" for r in ratios),
+            "ngram_share": _ngram_share(tokenizer, [o for outs in by_round.values() for o in outs]),
             "limit_tok_s": limit * int(where[1:]) if where.startswith("c") else "-"})
     return rows, slo
+
+
+def _ngram_share(tokenizer, outcomes: list) -> float | str:
+    """The share of the output tokens that an n-gram proposal from the request's own text (its chat prompt and
+    output so far, calid.decoding.ngram) would have predicted: what copying drafts can find in these outputs,
+    before any cost. "-": no tokenizer, or no chat request with text."""
+    from calid.bench.ngram_bound import ngram_bound
+    from calid.text import encode_prompt
+
+    done = [o for o in outcomes if o.prompt and o.text] if tokenizer is not None else []
+    if not done:
+        return "-"
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": o.prompt}]) for o in done]
+    outputs = [tokenizer(o.text, add_special_tokens=False).input_ids for o in done]
+    bound = ngram_bound(prompts, outputs, lambda k: 1.0)  # verification free: every confirmed copy counts
+    return bound.copied / bound.tokens if bound.tokens else "-"
 
 
 async def _closed_loop(url: str, model: str, mode: str, server: str, clients: int, prompts: list[str],
@@ -390,7 +411,7 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
     extra = {"ignore_eos": ignore_eos, **({"mode": mode} if server == "calid" else {})}
     common = dict(model=model, max_tokens=max_new, temperature=0, stream=True, extra_body=extra,
                   stream_options={"include_usage": True})
-    sent, first, last, chunks, usage = time.perf_counter(), None, None, 0, None
+    sent, first, last, chunks, usage, pieces = time.perf_counter(), None, None, 0, None, []
     try:
         if messages is not None:
             stream = await client.chat.completions.create(messages=messages, **common)
@@ -399,7 +420,10 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
         async for chunk in stream:
             if getattr(chunk, "usage", None) is not None:
                 usage = chunk.usage.completion_tokens
-            if chunk.choices and ((chunk.choices[0].delta.content if messages is not None else chunk.choices[0].text)):
+            choice = chunk.choices[0] if chunk.choices else None
+            piece = choice and (choice.delta.content if messages is not None else choice.text)
+            if piece:
+                pieces.append(piece)
                 last = time.perf_counter()
                 first = first or last
                 chunks += 1
@@ -407,7 +431,8 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
         return Outcome(sent, first, last, chunks, error=f"{type(e).__name__}: {e}")
     tokens = usage if usage else chunks
     # llama_cpp.server under concurrent requests ends some streams with no content and no error
-    return Outcome(sent, first, last, tokens, error=None if chunks else "the stream ended with no tokens")
+    return Outcome(sent, first, last, tokens, error=None if chunks else "the stream ended with no tokens",
+                   prompt=messages[-1]["content"] if messages else "", text="".join(pieces))
 
 
 def _plot(rows: list[dict], path: Path) -> Path:

@@ -59,3 +59,32 @@ def test_a_replay_without_its_trace_or_with_a_bad_rate_says_what_to_pass(tmp_pat
     args.trace, args.trace_rate = str(tmp_path / "t.csv"), 0
     with pytest.raises(CalidError, match="--trace-rate must be > 0"):
         _replay_plan(args, "smollm2-135m-instruct", [])
+
+
+class _Words:
+    """A word-level tokenizer with a chat template: enough for the n-gram share."""
+
+    chat_template = "user: {content}"
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return " ".join(f"user: {m['content']}" for m in messages) + " assistant:"
+
+    def __call__(self, text, add_special_tokens=False):
+        return argparse.Namespace(input_ids=[self.ids.setdefault(w, len(self.ids)) for w in text.split()])
+
+
+def test_every_row_has_the_ngram_copyable_share_of_its_outputs():
+    """An answer that repeats its prompt is mostly copyable; one with new words is not; rows without text
+    (the trace replay's raw completions) say "-"."""
+    copying = Outcome(0, 0.5, 1.0, 12, prompt="fix the typo: the quick brwn fox jumps over the lazy dog and runs away",
+                      text="the quick brown fox jumps over the lazy dog and runs away")
+    fresh = Outcome(0, 0.5, 1.0, 9, prompt="say something", text="alpha beta gamma delta epsilon zeta eta theta")
+    runs = [("calid", "ar", "c1", [copying], 0), ("llama-server", "ar", "c1", [fresh], 0),
+            ("calid", "ar", "trace", outcomes(2, 0.5, 0.1), 0)]
+    rows, _ = _rows(runs, 5.0, limit=10.0, tokenizer=_Words())
+    by = {(r["server"], r["load"]): r["ngram_share"] for r in rows}
+    assert by["calid", "c1"] >= 0.5 and by["llama-server", "c1"] == 0.0 and by["calid", "trace"] == "-"
+    assert _rows(runs, 5.0, limit=10.0)[0][0]["ngram_share"] == "-"  # no tokenizer: not computed
