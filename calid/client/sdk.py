@@ -290,9 +290,12 @@ class AsyncClient:
 
 
 class Client:
-    """Blocking client: an AsyncClient (every argument is its) run on an event loop of this client's own, on one
-    thread, so that blocking and asyncio callers share one code path: requests, retries, streams, Collaborate.
-    Safe to share between threads."""
+    """Blocking client. It takes AsyncClient's arguments and runs an AsyncClient on an event loop of its own, on
+    one thread, so that blocking and asyncio callers share one code path: requests, retries, streams,
+    Collaborate. Safe to share between threads; its settings (``address``, ``timeout``, ...) are the
+    AsyncClient's."""
+
+    SETTINGS = ("address", "app", "timeout", "retries", "backoff_s", "api_key")
 
     def __init__(self, address: str = "127.0.0.1:50051", **kw):
         self._loop = asyncio.new_event_loop()
@@ -303,6 +306,11 @@ class Client:
         except BaseException:
             self._stop()
             raise
+
+    def __getattr__(self, name: str):
+        if name in Client.SETTINGS:
+            return getattr(self._async, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __enter__(self):
         return self

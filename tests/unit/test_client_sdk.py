@@ -157,6 +157,18 @@ def test_a_replica_that_died_mid_call_counts_as_unavailable_and_is_retried(serve
     assert servicer.calls == 3
 
 
+def test_the_blocking_client_shows_its_settings_and_closes_its_loop(server):
+    _, address = server
+    c = Client(address, timeout=7.0, retries=1, api_key="k-3")
+    assert (c.address, c.timeout, c.retries, c.api_key) == (address, 7.0, 1, "k-3")
+    assert c.generate("hello").text
+    c.close()
+    c.close()  # twice is fine
+    assert not c._thread.is_alive()
+    with pytest.raises(AttributeError):
+        c.no_such_setting
+
+
 def test_api_key_goes_out_as_bearer_metadata(server, monkeypatch):
     servicer, address = server
     with Client(address, api_key="k-1") as c:
