@@ -47,7 +47,7 @@ from serve_app.ingress.auth import AuthConfigError, allowed, load_keys
 from serve_app.ingress.frontdoor import FRONTENDS, Caller, Refused
 from serve_app.ingress.grpc import GrpcFront
 from serve_app.ingress.outputs import IDLE
-from serve_app.router.calls import Failure, RoundEnd, WorkerCalls, WorkersUnavailable
+from serve_app.router.calls import Failure, RoundEnd, WorkerCalls, WorkersUnavailable, answered
 from serve_app.router.metrics import RouterMetrics, meets_slo
 
 log = logging.getLogger("ray.serve")
@@ -57,6 +57,7 @@ COST_EXPORT_STEPS = 32  # the cost model goes to the metrics every this many ste
 DRAFT_RETRIES = 0
 DRAFT_PROBE_S = 2.0  # while the draft is unreachable, ask this often (in the background) whether it is back
 CALIBRATION_PINGS = 5  # no-op calls timed per worker role at calibration: what a call costs beside its forward
+STATS_TIMEOUT_S = 5.0  # worker_stats leaves out a worker that does not answer within this
 RETRY_AFTER_S = 1.0  # what a refusal for a full queue tells the client to wait (HTTP Retry-After)
 
 
@@ -165,9 +166,11 @@ class Router(GrpcFront):
 
     async def worker_stats(self) -> dict:
         """Each worker role's own stats (one replica's: time in forwards, batches, caches), as this router reaches
-        it: the benchmarks read forward time here in either topology."""
+        it: the benchmarks read forward time here in either topology. A role whose replica does not answer
+        within STATS_TIMEOUT_S (one being replaced) is left out."""
         roles = {"target": self.target, "draft": self.draft}
-        return {role: await handle.stats.remote() for role, handle in roles.items() if handle is not None}
+        return await answered({role: handle.stats.remote() for role, handle in roles.items() if handle is not None},
+                              STATS_TIMEOUT_S)
 
     async def drain(self, grace_s: float | None = None) -> dict:
         """Stop admitting: new calls get UNAVAILABLE (the SDK retries them elsewhere) and Health says not

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -28,6 +29,9 @@ def _replica_actors(app: str, deployment: str):
 
 def test_target_replica_killed_mid_stream_the_request_still_completes(serve_port):
     import ray
+    from ray import serve
+
+    from serve_app.router.router import STATS_TIMEOUT_S
 
     deploy(AppConfig.small(app_name="fault", grpc_port=serve_port, draft=None))
     with Client(f"127.0.0.1:{serve_port}", app="fault", timeout=300) as c:
@@ -36,9 +40,18 @@ def test_target_replica_killed_mid_stream_the_request_still_completes(serve_port
         got = list(next(stream).token_ids)
         (replica,) = _replica_actors("fault", "target")
         ray.kill(replica, no_restart=True)  # Serve notices and starts a fresh replica
+        # a diagnostic call meanwhile answers in bounded time, with or without the target being replaced
+        t0 = time.monotonic()
+        serve.get_deployment_handle("router", "fault").worker_stats.remote().result(timeout_s=60)
+        assert time.monotonic() - t0 < STATS_TIMEOUT_S + 10
         for chunk in stream:
             got += chunk.token_ids
     assert got == want  # the router's token ids survived; the new replica recomputed the cache
+    (router,) = _replica_actors("fault", "router")
+    deadline = time.monotonic() + 15
+    while ray.get(router.get_num_ongoing_requests.remote()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.get(router.get_num_ongoing_requests.remote()) == 0  # nothing left open that a graceful stop waits on
 
 
 class _DeadHandle:
