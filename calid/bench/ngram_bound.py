@@ -75,3 +75,19 @@ def _best_prefix(cost: Callable[[int], float], cap: int) -> list[int]:
             g = a
         out.append(g)
     return out
+
+
+def ngram_share(tokenizer, outcomes: list) -> float | str:
+    """The share of the output tokens that an n-gram proposal from the request's own text (its chat prompt and
+    output so far, calid.decoding.ngram) would have predicted: what copying drafts can find in these outputs,
+    before any cost. ``outcomes``: calid.placement.traffic.Outcome with the user's message and the answer's text.
+    "-": no tokenizer, or no chat request with text."""
+    from calid.text import encode_prompt
+
+    done = [o for o in outcomes if o.prompt and o.text] if tokenizer is not None else []
+    if not done:
+        return "-"
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": o.prompt}]) for o in done]
+    outputs = [tokenizer(o.text, add_special_tokens=False).input_ids for o in done]
+    bound = ngram_bound(prompts, outputs, lambda k: 1.0)  # verification free: every confirmed copy counts
+    return bound.copied / bound.tokens if bound.tokens else "-"

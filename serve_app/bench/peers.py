@@ -6,14 +6,19 @@ closed-loop concurrency sweep against, one after the other on the same machine a
   calid               ``calid serve``'s OpenAI HTTP API, in each of --modes (ar, auto, filter);
   llama-cpp-python    its own OpenAI server (``python -m llama_cpp.server``) over the same llama-cpp-python
                       build calid uses (it needs the server's web packages: ``pip install 'calid[bench]'``);
-  llama-server        llama.cpp's C++ server with continuous batching (``-np`` slots), when --llama-server
-                      names its binary (scripts/build_llama_server.sh builds it from the llama-cpp-python sources).
+  llama-server        llama.cpp's C++ server with continuous batching, one slot per client (``-np`` = the
+                      point's concurrency, started afresh per point), when --llama-server names its binary
+                      (scripts/build_llama_server.sh builds it from the llama-cpp-python sources), in each of
+                      --llama-configs: plain, or with llama.cpp's own speculation (the draft calid drafts with,
+                      n-gram lookups, both chained; serve_app.bench.peer_servers.SPEC_CONFIGS).
 Then, per server and mode, an open-loop replay of the Azure LLM inference trace (conversation services:
 its arrival gaps, prompt and output lengths; prompts cut from HumanEval's text to the trace's lengths, sent
 as raw completions) at --trace-rate times the request rate calid ar sustained at the sweep's top
 concurrency. Per server, mode and load: output tokens/s, TTFT p50/p99, TPOT p50, the share of requests
 within an SLO (--slo-scale x calid ar's TTFT and TPOT p50 at the lowest concurrency), and each one's ratio to
-calid ar at the same load; a PNG of throughput vs concurrency; the CPU flags and the bandwidth limit. With
+calid ar at the same load; the share of output tokens that came from drafts (calid's per-request stats,
+llama-server's ``llamacpp:spec_decode_*`` counters, with its acceptance rate); a PNG of throughput vs
+concurrency; the CPU flags and the bandwidth limit. With
 --rounds N the whole sweep runs N times, every server started afresh each round and the servers in reverse order
 every other round (this machine's speed drifts over minutes): tokens/s is the median of the rounds, its ratio
 the median of each round's ratio to calid ar in the same round, and the latencies pool every round's requests.
@@ -28,19 +33,22 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from calid.placement.traffic import DEFAULT_TRACE
 from calid.bench.data import WORKLOADS
+from serve_app.bench.peer_servers import (DEFAULT_SPEC, PEERS, PeerServer, PeerUnavailable,
+                                         check_spec_configs)
 from serve_app.cluster.config import add_topology_arg
 
 COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "tok_s_vs_calid_ar",
-           "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met", "ngram_share", "limit_tok_s"]
-PEERS = ("llama-cpp-python", "llama-server")
+           "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "slo_met",
+           "draft_share", "spec_acceptance", "ngram_share", "limit_tok_s"]
 PROMPTS = 240  # prompts a run draws from, in turn
 
 
@@ -59,6 +67,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads of every server (default: all cores)")
     p.add_argument("--llama-server", default=shutil.which("llama-server"),
                    help="llama-server binary (default: on PATH)")
+    p.add_argument("--llama-configs", default=DEFAULT_SPEC, help="llama-server configurations to run, each a row "
+                   f"(default {DEFAULT_SPEC}; also draft-n<K>: the draft with --spec-draft-n-max K)")
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV to replay ('' : no replay)")
     p.add_argument("--trace-rate", type=float, default=0.5, help="replay rate, in multiples of the request rate "
                    "calid ar sustains at the sweep's top concurrency (default 0.5)")
@@ -83,7 +93,7 @@ def run(args) -> int:
     from calid.bench.report import write_report
     from serve_app.cluster.config import AppConfig, with_plain_run_ms
 
-    modes, peers, sweep = _parse(args)
+    modes, peers, sweep, configs = _parse(args)
     threads = args.threads or os.cpu_count() or 1
     cfg = (AppConfig.small if args.small else AppConfig)(grpc_port=_free_port(), http_port=args.port,
                                                          max_active=max(16, max(sweep)), worker_threads=threads,
@@ -103,27 +113,28 @@ def run(args) -> int:
           file=sys.stderr)
     runs, skipped = [], {}
     url = f"http://127.0.0.1:{args.port}/v1"
-    replay = None
+    servers = _Servers(cfg, gguf, threads, args.port, args.llama_server,
+                       _draft_gguf(cfg, threads) if "llama-server" in peers else None)
+    replays = _Replays(args, cfg.target, url)
     per_round = sum(_requests(args, c) for c in sweep)
     for rnd in range(args.rounds):
         # a fresh server per mode and round: the modes take the same prompts, and a mode after the first would
         # answer from what the one before left in the prompt cache (auto: TTFT 69 ms, not 1.2 s)
-        servers = [("calid", m) for m in modes] + [(p, "ar") for p in peers if p not in skipped]
+        order = [s for s in [("calid", m) for m in modes] + [(p, "ar") for p in peers if p != "llama-server"] +
+                 [("llama-server", c) for c in configs if "llama-server" in peers] if s not in skipped]
         # every round takes the next prompts (no server answers from a prompt cache); one round's servers the same
         start = 1 + rnd * per_round % (len(prompts) - 1)
         batch = prompts[:1] + prompts[start:] + prompts[1:start]
-        for server, mode in servers if rnd % 2 == 0 else servers[::-1]:
+        points = _points(sweep, batch, args)
+        for server, mode in order if rnd % 2 == 0 else order[::-1]:
             try:
-                with _calid(cfg) if server == "calid" else _peer(server, gguf, threads, args.port, max(sweep),
-                                                                args.llama_server, cfg.target):
-                    runs += [(*run, rnd) for run in _sweep(url, cfg.target, server, mode, sweep, batch, args)]
-                    if rnd == 0 and (server, mode) == ("calid", "ar") and args.trace:  # calid ar runs first
-                        replay = _replay_plan(args, cfg.target, runs[-1][3])  # its rate follows what ar sustained
-                    if rnd == 0 and replay:
-                        runs.append((*_replay(url, cfg.target, server, mode, replay), rnd))
+                replay = partial(replays, server, mode) if rnd == 0 and args.trace else None
+                runs += [(*r[:4], rnd, r[4]) for r in _sweep(url, servers, server, mode, batch[0], points, args,
+                                                             replay)]
             except PeerUnavailable as e:
-                skipped[server] = str(e)
-                print(f"bench peers: {server} not run: {e}", file=sys.stderr)
+                skipped[server, mode] = str(e)
+                print(f"bench peers: {server} {mode} not run: {e}", file=sys.stderr)
+    replay = replays.plan
     rows, slo = _rows(runs, args.slo_scale, limit, target.tokenizer)
     meta = {"model": cfg.target, "gguf": Path(gguf).name, "workload": args.workload, "topology": cfg.topology,
             "threads": threads, "cpu": cpu_summary(),
@@ -132,7 +143,7 @@ def run(args) -> int:
             **({"replay": f"{replay.name}: {len(replay.trace)} requests at {replay.rate:.3f}/s ({args.trace_rate:g} x "
                           f"calid ar's {replay.capacity:.3f}/s), {replay.mean_prompt:.0f} prompt / "
                           f"{replay.mean_output:.0f} output tokens on average"} if replay else {})}
-    notes = _notes(args.slo_scale, sweep[0]) + [f"not run: {peer}: {why}" for peer, why in skipped.items()]
+    notes = _notes(args.slo_scale, sweep[0]) + [f"not run: {' '.join(key)}: {why}" for key, why in skipped.items()]
     name = f"peers-{'small' if args.small else 'qwen'}"
     js, md = write_report(Path(args.out), name, "calid vs the servers a user would pick instead (one OpenAI client)",
                           meta, rows, COLUMNS, notes)
@@ -142,8 +153,8 @@ def run(args) -> int:
     return 0
 
 
-def _parse(args) -> tuple[list[str], list[str], list[int]]:
-    """(calid modes, ar first; peers; concurrencies), or a one-line error."""
+def _parse(args) -> tuple[list[str], list[str], list[int], list[str]]:
+    """(calid modes, ar first; peers; concurrencies; llama-server configurations), or a one-line error."""
     from calid.bench.report import parse_numbers
     from calid.decoding.modes import MODES
     from calid.errors import CalidError
@@ -155,7 +166,8 @@ def _parse(args) -> tuple[list[str], list[str], list[int]]:
         raise CalidError(f"--modes among {', '.join(MODES)}, --peers among {', '.join(PEERS)}, --concurrency >= 1")
     if args.rounds < 1:
         raise CalidError("--rounds takes a count >= 1")
-    return ["ar"] + [m for m in modes if m != "ar"], peers, sweep
+    configs = check_spec_configs([c.strip() for c in args.llama_configs.split(",") if c.strip()])
+    return ["ar"] + [m for m in modes if m != "ar"], peers, sweep, configs
 
 
 def _notes(slo_scale: float, first_concurrency: int) -> list[str]:
@@ -170,11 +182,10 @@ def _notes(slo_scale: float, first_concurrency: int) -> list[str]:
             "ngram_share: of the output tokens of the chat requests, those an n-gram proposal from the request's own "
             "text (prompt through the chat template, and output so far) would have predicted: what copying drafts "
             "(auto's n-gram chains, Lookahead, llama-server's ngram speculation) can find, before any cost",
+            "draft_share: output tokens that came from drafts (calid: each answer's stats; llama-server: the accepted "
+            "draft tokens of its llamacpp:spec_decode_* counters); spec_acceptance: llama-server's accepted / drafted "
+            "tokens; llama-server rows: mode = its speculation configuration, started afresh per point with -np = c",
             "limit_tok_s: bandwidth / weight bytes per decode step x concurrency (a batch reads the weights once)"]
-
-
-class PeerUnavailable(Exception):
-    """A peer server cannot run here (not installed, not built, did not start)."""
 
 
 def _free_port() -> int:
@@ -193,58 +204,41 @@ class _calid:
         serve_app(self.cfg, dashboard=False)
         return self
 
+    def counters(self) -> dict:
+        return {}  # calid's draft share comes with each answer (its calid stats)
+
     def __exit__(self, *exc):
         from serve_app.cluster.local import shutdown
 
         shutdown()
 
 
-class _peer:
-    """A peer server in a subprocess on 127.0.0.1:port, up until the block ends (its log in a temp file)."""
+@dataclass(frozen=True)
+class _Servers:
+    """Starts any server of the bench on 127.0.0.1:port."""
 
-    def __init__(self, peer: str, gguf: str, threads: int, port: int, slots: int, llama_server: str | None,
-                 name: str):
-        if peer == "llama-cpp-python":
-            try:
-                import fastapi, sse_starlette, starlette_context, uvicorn  # noqa: F401, E401
-            except ImportError as e:
-                raise PeerUnavailable(f"llama_cpp.server needs its web packages ({e.name} missing): "
-                                      "pip install 'calid[bench]'") from None
-            self.cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", name,
-                        "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
-                        "--host", "127.0.0.1", "--port", str(port)]
-        else:
-            if not llama_server or not Path(llama_server).is_file():
-                raise PeerUnavailable("no llama-server binary (--llama-server PATH; "
-                                      "bash scripts/build_llama_server.sh builds one)")
-            self.cmd = [llama_server, "-m", gguf, "-a", name, "-t", str(threads), "-tb", str(threads),
-                        "-np", str(slots), "-c", str(2048 * slots), "-cb", "--host", "127.0.0.1", "--port", str(port)]
-        self.port, self.peer = port, peer
+    cfg: object  # calid's AppConfig
+    gguf: str  # the target's GGUF, which every peer serves
+    threads: int
+    port: int
+    llama_server: str | None  # its binary
+    draft: Path | None  # the draft's GGUF as calid drafts with it (llama-server's -md), None for a self-draft
 
-    def __enter__(self):
-        import urllib.request
+    def start(self, server: str, mode: str, slots: int):
+        if server == "calid":
+            return _calid(self.cfg)
+        return PeerServer(server, self.gguf, self.threads, self.port, slots, self.llama_server, self.cfg.target,
+                          spec=mode if server == "llama-server" else "plain", draft=self.draft)
 
-        self.log = open(f"/tmp/calid-bench-{self.peer}.log", "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise PeerUnavailable(f"exited with {self.proc.returncode} (log: {self.log.name})")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(1)
-        self.__exit__()
-        raise PeerUnavailable(f"not ready within 300 s (log: {self.log.name})")
 
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+def _draft_gguf(cfg, threads: int) -> Path | None:
+    """The GGUF calid's draft loads (after its draft_weights choice), for llama-server's -md; None for a
+    self-draft."""
+    from calid.backends import cpu_summary, gguf_file
+    from calid.models.draft_weights import draft_weights
+
+    gguf = gguf_file(cfg.draft, False) if cfg.draft and not cfg.draft.startswith("self") else None
+    return draft_weights(gguf, cfg.draft_weights, threads, cpu_summary()) if gguf else None
 
 
 def _requests(args, c: int) -> int:
@@ -252,18 +246,66 @@ def _requests(args, c: int) -> int:
     return args.requests or max(4, 2 * c)
 
 
-def _sweep(url: str, model: str, server: str, mode: str, sweep: list[int], prompts: list[str], args) -> list:
-    """(server, mode, load, outcomes) per concurrency of the closed-loop sweep."""
-    runs, at = [], 1
-    asyncio.run(_closed_loop(url, model, mode, server, 1, prompts[:1], 8, True))  # warm the path (first-call costs)
-    for c in sweep:  # fresh prompts per point, the same ones for every server: no server answers from a prompt cache
+def _points(sweep: list[int], prompts: list[str], args) -> list[tuple[int, list[str]]]:
+    """(concurrency, its prompts) per point: fresh prompts per point, the same ones for every server, so that no
+    server answers from a prompt cache; prompts[0] is kept for warming a server up."""
+    points, at = [], 1
+    for c in sweep:
         n = _requests(args, c)
-        point = [prompts[(at + i) % len(prompts)] for i in range(n)]
+        points.append((c, [prompts[(at + i) % len(prompts)] for i in range(n)]))
         at += n
-        outs = asyncio.run(_closed_loop(url, model, mode, server, c, point, args.max_new_tokens, args.ignore_eos))
-        runs.append((server, mode, f"c{c}", outs))
-        _say(server, mode, f"c{c}", outs)
-    return runs
+    return points
+
+
+def _sweep(url: str, servers: _Servers, server: str, mode: str, warm: str, points: list, args, after) -> list:
+    """(server, mode, load, outcomes, speculation counters) per point of the closed-loop sweep, then what
+    ``after(those)`` adds (the trace replay). llama-server starts afresh per point with one slot per client
+    (-np = the concurrency, as it is meant to run); calid and llama-cpp-python serve the whole sweep. Every
+    server started is first sent ``warm`` (first-call costs), a prompt no point sends."""
+    model, runs, top = servers.cfg.target, [], max(c for c, _ in points)
+
+    @contextmanager
+    def started(slots: int):
+        with servers.start(server, mode, slots) as running:
+            asyncio.run(_closed_loop(url, model, mode, server, 1, [warm], 8, True))
+            yield running
+
+    def then() -> list:
+        return [r for r in [after(runs)] if r] if after else []
+
+    if server == "llama-server":
+        for c, prompts in points:
+            with started(c) as running:
+                runs.append(_point(url, running, model, server, mode, c, prompts, args))
+        if after is None:
+            return runs
+        with started(top):
+            return runs + then()
+    with started(top) as running:
+        runs += [_point(url, running, model, server, mode, c, prompts, args) for c, prompts in points]
+        return runs + then()
+
+
+def _point(url: str, running, model: str, server: str, mode: str, c: int, prompts: list[str], args) -> tuple:
+    """One point: ``prompts`` by c clients in a closed loop, and the server's speculation counters over it."""
+    before = running.counters()
+    outs = asyncio.run(_closed_loop(url, model, mode, server, c, prompts, args.max_new_tokens, args.ignore_eos))
+    counters = {k: v - before[k] for k, v in running.counters().items()}
+    _say(server, mode, f"c{c}", outs)
+    return server, mode, f"c{c}", outs, counters
+
+
+class _Replays:
+    """The trace replay (first round only): planned from calid ar's sweep (its rate follows what ar sustained;
+    calid ar runs first), then run on every server."""
+
+    def __init__(self, args, model: str, url: str):
+        self.args, self.model, self.url, self.plan = args, model, url, None
+
+    def __call__(self, server: str, mode: str, runs: list) -> tuple | None:
+        if (server, mode) == ("calid", "ar"):
+            self.plan = _replay_plan(self.args, self.model, runs[-1][3])
+        return (*_replay(self.url, self.model, server, mode, self.plan), {}) if self.plan else None
 
 
 @dataclass(frozen=True)
@@ -340,15 +382,19 @@ def _rows(runs: list, slo_scale: float, limit: float, tokenizer=None) -> tuple[l
     """One row per server, mode and load, from runs (server, mode, load, outcomes, round), scored against an SLO
     of ``slo_scale`` x calid ar's TTFT and TPOT p50 at the lowest concurrency (its requests of every round).
     tok_s: the median of the rounds; its ratio: the median of each round's ratio to calid ar's in that round;
-    latencies and counts: every round's requests together; ngram_share (with a ``tokenizer``): _ngram_share."""
+    latencies and counts: every round's requests together; ngram_share (with a ``tokenizer``): ngram_share."""
+    from calid.bench.ngram_bound import ngram_share
     from calid.placement import traffic as load
 
     def tok_s(outs):
         return load.score(outs, load.Slo(float("inf"), float("inf")))["tok_s"]
 
-    points = {}  # (server, mode, load) -> {round: outcomes}, in the order first run
-    for server, mode, where, outs, rnd in runs:
+    points, spec = {}, {}  # (server, mode, load) -> {round: outcomes}, in the order first run; its counters
+    for server, mode, where, outs, rnd, *counters in runs:
         points.setdefault((server, mode, where), {})[rnd] = outs
+        for name, value in (counters[0] if counters else {}).items():
+            spec.setdefault((server, mode, where), {}).setdefault(name, 0.0)
+            spec[server, mode, where][name] += value
     low = next(v for (server, mode, _), v in points.items() if (server, mode) == ("calid", "ar"))
     base = load.score([o for outs in low.values() for o in outs], load.Slo(float("inf"), float("inf")))
     slo = load.Slo(slo_scale * base["ttft_ms_p50"] / 1000, slo_scale * base["tpot_ms_p50"] / 1000)
@@ -359,29 +405,26 @@ def _rows(runs: list, slo_scale: float, limit: float, tokenizer=None) -> tuple[l
         ratios = [tok_s(outs) / tok_s(ar[rnd]) if rnd in ar and tok_s(ar[rnd]) else float("nan")
                   for rnd, outs in sorted(by_round.items())]
         rows.append({"server": server, "mode": mode, "load": where, **{k: sc[k] for k in (
-            "requests", "errors", "tokens", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "slo_met")},
+            "requests", "errors", "tokens", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "slo_met")},
+            **_drafting(sc["tokens"], [o for outs in by_round.values() for o in outs], spec.get((server, mode, where))),
             "tok_s": statistics.median(tok_s(outs) for outs in by_round.values()),
             "tok_s_vs_calid_ar": statistics.median(ratios),
             "rounds_vs_calid_ar": " ".join(f"{r:.2f}" for r in ratios),
-            "ngram_share": _ngram_share(tokenizer, [o for outs in by_round.values() for o in outs]),
+            "ngram_share": ngram_share(tokenizer, [o for outs in by_round.values() for o in outs]),
             "limit_tok_s": limit * int(where[1:]) if where.startswith("c") else "-"})
     return rows, slo
 
 
-def _ngram_share(tokenizer, outcomes: list) -> float | str:
-    """The share of the output tokens that an n-gram proposal from the request's own text (its chat prompt and
-    output so far, calid.decoding.ngram) would have predicted: what copying drafts can find in these outputs,
-    before any cost. "-": no tokenizer, or no chat request with text."""
-    from calid.bench.ngram_bound import ngram_bound
-    from calid.text import encode_prompt
-
-    done = [o for o in outcomes if o.prompt and o.text] if tokenizer is not None else []
-    if not done:
-        return "-"
-    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": o.prompt}]) for o in done]
-    outputs = [tokenizer(o.text, add_special_tokens=False).input_ids for o in done]
-    bound = ngram_bound(prompts, outputs, lambda k: 1.0)  # verification free: every confirmed copy counts
-    return bound.copied / bound.tokens if bound.tokens else "-"
+def _drafting(tokens: int, outcomes: list, counters: dict | None) -> dict:
+    """draft_share: the output tokens that came from drafts (llama-server: its accepted draft tokens; calid: each
+    answer's own count); spec_acceptance: llama-server's accepted / drafted tokens. "-" where not known."""
+    drafted = [o.drafted for o in outcomes if o.error is None and o.drafted is not None]
+    if counters and counters.get("drafted"):
+        return {"draft_share": counters["accepted"] / tokens if tokens else "-",
+                "spec_acceptance": counters["accepted"] / counters["drafted"]}
+    if counters is not None and not drafted:  # a llama-server that drafted nothing
+        return {"draft_share": 0.0, "spec_acceptance": "-"}
+    return {"draft_share": sum(drafted) / tokens if drafted and tokens else "-", "spec_acceptance": "-"}
 
 
 async def _closed_loop(url: str, model: str, mode: str, server: str, clients: int, prompts: list[str],
@@ -411,7 +454,7 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
     extra = {"ignore_eos": ignore_eos, **({"mode": mode} if server == "calid" else {})}
     common = dict(model=model, max_tokens=max_new, temperature=0, stream=True, extra_body=extra,
                   stream_options={"include_usage": True})
-    sent, first, last, chunks, usage, pieces = time.perf_counter(), None, None, 0, None, []
+    sent, first, last, chunks, usage, pieces, drafted = time.perf_counter(), None, None, 0, None, [], None
     try:
         if messages is not None:
             stream = await client.chat.completions.create(messages=messages, **common)
@@ -420,6 +463,9 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
         async for chunk in stream:
             if getattr(chunk, "usage", None) is not None:
                 usage = chunk.usage.completion_tokens
+            calid = (chunk.model_extra or {}).get("calid")  # calid's stats ride on a stream's last chunk
+            if isinstance(calid, dict):
+                drafted = (drafted or 0) + int(calid.get("draft_tokens", 0))
             choice = chunk.choices[0] if chunk.choices else None
             piece = choice and (choice.delta.content if messages is not None else choice.text)
             if piece:
@@ -432,7 +478,7 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
     tokens = usage if usage else chunks
     # llama_cpp.server under concurrent requests ends some streams with no content and no error
     return Outcome(sent, first, last, tokens, error=None if chunks else "the stream ended with no tokens",
-                   prompt=messages[-1]["content"] if messages else "", text="".join(pieces))
+                   prompt=messages[-1]["content"] if messages else "", text="".join(pieces), drafted=drafted)
 
 
 def _plot(rows: list[dict], path: Path) -> Path:

@@ -23,6 +23,7 @@ from serve_app.main import main
         (["bench", "peers", "--peers", "vllm"], "--peers among llama-cpp-python, llama-server"),
         (["bench", "peers", "--plain-run-ms", "-1"], "--plain-run-ms takes milliseconds >= 0"),
         (["bench", "peers", "--rounds", "0"], "--rounds takes a count >= 1"),
+        (["bench", "peers", "--llama-configs", "plain,eagle"], "unknown llama-server configuration 'eagle'"),
         (
             ["generate", "hi", "--min-agreement", "0.9", "--threshold", "0.5"],
             "--threshold or --min-agreement, not both",
@@ -78,7 +79,7 @@ def test_client_without_a_server_is_one_line(capsys):
 
 
 def test_a_peer_that_cannot_run_says_why():
-    from serve_app.bench.peers import PeerUnavailable, _peer
+    from serve_app.bench.peer_servers import PeerServer, PeerUnavailable
 
     with pytest.raises(PeerUnavailable, match="no llama-server binary"):
-        _peer("llama-server", "/x.gguf", 2, 8093, 4, None, "m")
+        PeerServer("llama-server", "/x.gguf", 2, 8093, 4, None, "m")

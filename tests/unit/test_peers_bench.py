@@ -88,3 +88,53 @@ def test_every_row_has_the_ngram_copyable_share_of_its_outputs():
     by = {(r["server"], r["load"]): r["ngram_share"] for r in rows}
     assert by["calid", "c1"] >= 0.5 and by["llama-server", "c1"] == 0.0 and by["calid", "trace"] == "-"
     assert _rows(runs, 5.0, limit=10.0)[0][0]["ngram_share"] == "-"  # no tokenizer: not computed
+
+
+def test_llama_server_configurations_become_its_speculation_flags(tmp_path):
+    from serve_app.bench.peer_servers import PeerServer, PeerUnavailable, check_spec_configs, spec_args
+
+    draft = tmp_path / "draft.q4_0.gguf"
+    assert spec_args("plain", draft) == []
+    assert spec_args("draft", draft) == ["-md", str(draft), "--spec-type", "draft-simple"]
+    assert spec_args("draft-n6", draft)[-2:] == ["--spec-draft-n-max", "6"]
+    assert spec_args("ngram-mod+draft", draft) == ["-md", str(draft), "--spec-type", "ngram-mod,draft-simple"]
+    assert spec_args("ngram-simple", None) == ["--spec-type", "ngram-simple"]  # needs no draft model
+    with pytest.raises(PeerUnavailable, match="no draft model of its own"):
+        spec_args("draft", None)
+    for bad in ("eagle", "draft-n0", "draft-n", "draft-n99"):
+        with pytest.raises(CalidError, match="unknown llama-server configuration"):
+            check_spec_configs([bad])
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    cmd = PeerServer("llama-server", "/t.gguf", 2, 8093, 4, str(binary), "m", spec="draft-n4", draft=draft).cmd
+    assert cmd[cmd.index("-np") + 1] == "4" and "--metrics" in cmd and cmd[-2:] == ["--spec-draft-n-max", "4"]
+
+
+def test_llama_server_speculation_counters_are_read_from_its_prometheus_text():
+    from serve_app.bench.peer_servers import spec_counters
+
+    text = ("# HELP llamacpp:spec_decode_num_drafts_total drafts\n"
+            "# TYPE llamacpp:spec_decode_num_drafts_total counter\n"
+            "llamacpp:spec_decode_num_drafts_total 12\nllamacpp:spec_decode_num_draft_tokens_total 36\n"
+            "llamacpp:spec_decode_num_accepted_tokens_total 20\n"
+            'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 9\n'
+            "llamacpp:tokens_predicted_total 99\n")
+    assert spec_counters(text) == {"drafts": 12.0, "drafted": 36.0, "accepted": 20.0}
+    assert spec_counters("llamacpp:tokens_predicted_total 5\n") == {"drafts": 0.0, "drafted": 0.0, "accepted": 0.0}
+
+
+def test_rows_say_how_much_came_from_drafts_for_calid_and_for_llama_server():
+    calid = [Outcome(0, 0.5, 1.5, 11, drafted=8), Outcome(1, 1.5, 2.5, 11, drafted=3)]
+    runs = [("calid", "ar", "c1", outcomes(2, 0.5, 0.1), 0, {}), ("calid", "auto", "c1", calid, 0, {}),
+            ("llama-server", "ngram-mod", "c1", outcomes(2, 0.5, 0.1), 0,  # the counters of the point's server
+             {"drafts": 4.0, "drafted": 40.0, "accepted": 10.0}),
+            ("llama-server", "plain", "c1", outcomes(2, 0.5, 0.1), 0, {"drafts": 0.0, "drafted": 0.0, "accepted": 0.0})]
+    rows, _ = _rows(runs, 5.0, limit=10.0)
+    by = {(r["server"], r["mode"]): r for r in rows}
+    auto = by["calid", "auto"]
+    assert auto["draft_share"] == pytest.approx(11 / 22) and auto["spec_acceptance"] == "-"
+    assert by["llama-server", "ngram-mod"]["draft_share"] == pytest.approx(10 / 22)
+    assert by["llama-server", "ngram-mod"]["spec_acceptance"] == pytest.approx(0.25)
+    assert by["llama-server", "plain"]["draft_share"] == 0.0
+    assert by["calid", "ar"]["draft_share"] == "-"  # no stats in these answers: not known
+    assert by["calid", "ar"]["tpot_ms_p99"] == pytest.approx(100.0)
