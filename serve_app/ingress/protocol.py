@@ -104,7 +104,7 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
                ) -> GenerationRequest:
     """A GenerationRequest from the wire; raises InvalidRequestError naming the bad field."""
     check_limits(msg, limits)
-    for name in ("temperature", "top_p", "threshold", "min_agreement"):
+    for name in ("temperature", "top_p", "threshold", "min_agreement", "rollback_nll"):
         if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)!r}")
     if msg.HasField("max_new_tokens") and msg.max_new_tokens == 0 and not msg.echo:
@@ -124,10 +124,13 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
     if budget is not None and msg.HasField("threshold"):
         raise InvalidRequestError("set threshold or min_agreement, not both (the budget chooses the threshold)")
     mode = msg.mode or ("filter" if budget is not None else default.mode)
+    if msg.HasField("rollback_nll") and mode != "rollback":
+        raise InvalidRequestError(f"rollback_nll is a bound for mode rollback, not {mode!r}")
     decode = DecodeParams(
         mode=mode,
         gamma=msg.gamma if msg.HasField("gamma") else default.gamma,
         threshold=msg.threshold if msg.HasField("threshold") else default.threshold,
+        rollback_nll=msg.rollback_nll if msg.HasField("rollback_nll") else default.rollback_nll,
         min_agreement=budget,
     ).validate()
     ids = prompt_ids(msg, tokenizer, tools)

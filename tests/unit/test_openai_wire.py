@@ -25,6 +25,8 @@ def test_chat_fields_translate_to_the_proto():
     assert msg.temperature == pytest.approx(0.5) and msg.threshold == pytest.approx(0.7) and msg.ignore_eos
     assert opts.stream and opts.include_usage and opts.logprobs is None
     assert [(m.role, m.content) for m in msg.messages] == [("user", "hi")]
+    msg, _ = wire.chat_request({**CHAT, "mode": "rollback", "rollback_nll": 3})
+    assert msg.mode == "rollback" and msg.rollback_nll == pytest.approx(3.0)
 
 
 def test_chat_defaults_and_precedence():

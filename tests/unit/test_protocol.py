@@ -29,6 +29,10 @@ def test_defaults_fill_unset_fields():
                               DEFAULT)
     assert (req.decode.mode, req.decode.threshold, req.decode.gamma) == ("filter", pytest.approx(0.9), 3)
     assert (req.params.seed, req.params.top_k) == (7, 5)
+    req = protocol.to_request(build_request("hi", mode="rollback", rollback_nll=4.0), _Tok(), DEFAULT)
+    assert (req.decode.mode, req.decode.rollback_nll) == ("rollback", 4.0)
+    assert protocol.to_request(build_request("hi", mode="rollback"), _Tok(), DEFAULT).decode.rollback_nll == \
+        DEFAULT.rollback_nll  # unset: the server's default bound
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -40,6 +44,9 @@ def test_defaults_fill_unset_fields():
     ({"mode": "warp-speed"}, "mode"),
     ({"gamma": 0}, "gamma"),
     ({"threshold": 1.5}, "threshold"),
+    ({"mode": "rollback", "rollback_nll": -1.0}, "rollback_nll must be >= 0"),
+    ({"mode": "rollback", "rollback_nll": float("inf")}, "rollback_nll must be a finite number"),
+    ({"mode": "filter", "rollback_nll": 1.0}, "rollback_nll is a bound for mode rollback, not 'filter'"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "prompt": "y"}, "one of prompt, messages or prompt_token_ids"),
     ({"stop": ["s"] * 17}, "stop"),
