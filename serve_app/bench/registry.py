@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from calid.bench import (ar, decode, dtype, gpu, invariance, parallel, quality_curve, sarathi, step, structured,
                          trees)
-from serve_app.bench import (edge_drafting, hostile, http, load, modes, peers, placement_live, serve, soak,
-                             structured_served)
+from serve_app.bench import (edge_drafting, hostile, http, load, modes, pareto, peers, placement_live, serve,
+                             soak, structured_served)
 
 ENGINE = (ar, decode, quality_curve, trees, sarathi, parallel, dtype, step, invariance, gpu, structured)
-SERVED = (serve, hostile, edge_drafting, load, http, modes, peers, placement_live, soak, structured_served)
+SERVED = (serve, hostile, edge_drafting, load, http, modes, peers, pareto, placement_live, soak, structured_served)
 
 
 def add_parsers(sub) -> None:

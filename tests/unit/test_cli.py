@@ -24,6 +24,8 @@ from serve_app.main import main
         (["bench", "peers", "--plain-run-ms", "-1"], "--plain-run-ms takes milliseconds >= 0"),
         (["bench", "peers", "--rounds", "0"], "--rounds takes a count >= 1"),
         (["bench", "peers", "--llama-configs", "plain,eagle"], "unknown llama-server configuration 'eagle'"),
+        (["bench", "pareto", "--concurrency", "0"], "--concurrency takes counts >= 1"),
+        (["bench", "pareto", "--only", "filter t=0.33"], "--only: unknown configuration"),
         (
             ["generate", "hi", "--min-agreement", "0.9", "--threshold", "0.5"],
             "--threshold or --min-agreement, not both",

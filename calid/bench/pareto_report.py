@@ -1,0 +1,115 @@
+"""The arithmetic of ``calid bench pareto`` (served speed against quality): rows from stored answers and timed
+segments, the operating point, the chart. No I/O but the PNG.
+
+A *segment* is one uninterrupted closed-loop run of a configuration at a concurrency over the items it still
+had to do; its wall time counts only when it finished (a stopped run's answers still count for quality, its time
+does not). A configuration's served throughput at concurrency c: the tokens of its finished segments' answers
+over their wall time; its speed-up: that over ar's at the same c.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+POINTS = 2.0  # the operating point: pass@1 within this many points of ar
+
+
+@dataclass(frozen=True)
+class Segment:
+    config: str
+    c: int
+    run: str  # the invocation that measured it (its start time): ratios across invocations are marked
+    seconds: float
+    keys: tuple[str, ...]  # the items it answered
+
+
+def throughput(segments: list[Segment], answers: dict[str, dict]) -> tuple[float | None, set[str]]:
+    """(output tokens / s over the finished segments, the runs that measured them); None without any."""
+    tokens = seconds = 0.0
+    runs = set()
+    for s in segments:
+        tokens += sum(answers[k]["tokens"] for k in s.keys if k in answers)
+        seconds += s.seconds
+        runs.add(s.run)
+    return (tokens / seconds if seconds > 0 else None), runs
+
+
+def summarize(configs: list[str], sweep: list[int], kinds: dict[str, str], answers: dict[tuple[str, int], dict],
+              segments: list[Segment], held_out: set[str], budgeted: set[str]) -> list[dict]:
+    """One row per configuration, concurrency and task kind (and "all" for speed). ``answers[(config, c)]``:
+    item key -> {"tokens", "drafted", "text", "solved"}; ``kinds``: item key -> task kind; configurations in
+    ``budgeted`` (min_agreement) answer the ``held_out`` items only, and their quality is compared with ar's on
+    those items."""
+    rows = []
+    for c in sweep:
+        ar = answers.get(("ar", c), {})
+        ar_speed, ar_runs = throughput([s for s in segments if (s.config, s.c) == ("ar", c)], ar)
+        for config in configs:
+            got = answers.get((config, c), {})
+            if not got:
+                continue
+            speed, runs = throughput([s for s in segments if (s.config, s.c) == (config, c)], got)
+            for kind in sorted({kinds[k] for k in got}) + ["all"]:
+                keys = [k for k in got if kind in ("all", kinds[k])]
+                wanted = [k for k in kinds if kind in ("all", kinds[k]) and (config not in budgeted or k in held_out)]
+                graded = [k for k in keys if got[k].get("solved") is not None]
+                same = [k for k in graded if k in ar and ar[k].get("solved") is not None]
+                tokens = sum(got[k]["tokens"] for k in keys)
+                rows.append({
+                    "config": config, "c": c, "task": kind,
+                    "done": f"{len(keys)}/{len(wanted)}",
+                    "quality": sum(got[k]["solved"] for k in graded) / len(graded) if graded else "-",
+                    "ar_quality_same_items": sum(ar[k]["solved"] for k in same) / len(same) if same else "-",
+                    "speedup_vs_ar": speed / ar_speed if speed and ar_speed else "-",
+                    "tok_s": speed if speed else "-",
+                    "filtered_fraction": sum(got[k]["drafted"] for k in keys) / tokens if tokens else "-",
+                    "identical_to_ar": f"{sum(1 for k in keys if k in ar and ar[k]['text'] == got[k]['text'])}"
+                                       f"/{sum(1 for k in keys if k in ar)}",
+                    "ratio_across_runs": "yes" if speed and ar_speed and runs != ar_runs else "",
+                })
+    return rows
+
+
+def operating_point(rows: list[dict], c: int, task: str = "humaneval") -> dict | None:
+    """The lossy row at concurrency ``c`` with the largest filtered fraction whose ``task`` quality is within
+    POINTS of ar's on the same items, every item answered."""
+    ar = next((r for r in rows if (r["config"], r["c"], r["task"]) == ("ar", c, task)), None)
+    if ar is None or not isinstance(ar["quality"], float):
+        return None
+    ok = [r for r in rows if r["c"] == c and r["task"] == task and r["config"] != "ar"
+          and isinstance(r["quality"], float) and isinstance(r["ar_quality_same_items"], float)
+          and isinstance(r["filtered_fraction"], float)
+          and r["quality"] >= r["ar_quality_same_items"] - POINTS / 100
+          and r["done"].split("/")[0] == r["done"].split("/")[1]]
+    return max(ok, key=lambda r: r["filtered_fraction"], default=None)
+
+
+def plot(rows: list[dict], task: str, path: Path) -> Path:
+    """x: served speed-up over ar at the same concurrency; y: ``task`` quality; one line per concurrency through
+    the configurations in order of speed-up, each point labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for c in sorted({r["c"] for r in rows}):
+        pts = sorted((r["speedup_vs_ar"], r["quality"], r["config"]) for r in rows
+                     if r["c"] == c and r["task"] == task and isinstance(r["speedup_vs_ar"], float)
+                     and isinstance(r["quality"], float))
+        if not pts:
+            continue
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{c} concurrent")
+        for x, y, name in pts:
+            ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("served throughput / ar's at the same concurrency")
+    ax.set_ylabel(f"{task} quality (pass@1 / exact match)")
+    ax.set_title(f"calid bench pareto: speed against quality, served ({task})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

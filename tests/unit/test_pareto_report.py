@@ -1,0 +1,87 @@
+"""calid bench pareto's arithmetic: served speed-ups paired with ar at the same load, quality on the same items,
+stopped segments counted for quality but not speed, the operating point, resumable configurations."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from calid.bench.pareto_report import Segment, operating_point, plot, summarize
+from calid.errors import CalidError
+
+KINDS = {"humaneval/0": "humaneval", "humaneval/1": "humaneval", "math/0": "math", "math/1": "math"}
+
+
+def answers(solved: list[bool], tokens: int, drafted: int, texts: list[str]) -> dict:
+    return {k: {"tokens": tokens, "drafted": drafted, "text": t, "solved": s}
+            for k, s, t in zip(KINDS, solved, texts)}
+
+
+def seg(config: str, c: int, seconds: float, keys=tuple(KINDS), run: str = "r1") -> Segment:
+    return Segment(config, c, run, seconds, tuple(keys))
+
+
+def test_speed_is_paired_with_ar_at_the_same_load_and_quality_is_per_task():
+    got = {("ar", 1): answers([True, True, True, False], 10, 0, ["a", "b", "c", "d"]),
+           ("filter t=0.4", 1): answers([True, False, True, False], 10, 8, ["a", "x", "c", "d"]),
+           ("ar", 4): answers([True, True, True, False], 10, 0, ["a", "b", "c", "d"]),
+           ("filter t=0.4", 4): answers([True, True, True, False], 10, 5, ["a", "b", "c", "d"])}
+    segments = [seg("ar", 1, 4.0), seg("filter t=0.4", 1, 2.0), seg("ar", 4, 4.0),
+                seg("filter t=0.4", 4, 1.0, keys=("humaneval/0", "humaneval/1")),  # a first segment, then
+                seg("filter t=0.4", 4, 1.0, keys=("math/0", "math/1"), run="r2")]  # the rest, resumed later
+    rows = summarize(["ar", "filter t=0.4"], [1, 4], KINDS, got, segments, set(), set())
+    by = {(r["config"], r["c"], r["task"]): r for r in rows}
+    assert by["filter t=0.4", 1, "all"]["speedup_vs_ar"] == pytest.approx(2.0)  # 40 tokens in 2 s vs 4 s
+    assert by["filter t=0.4", 1, "humaneval"]["quality"] == 0.5 and by["ar", 1, "humaneval"]["quality"] == 1.0
+    assert by["filter t=0.4", 1, "humaneval"]["identical_to_ar"] == "1/2"
+    assert by["filter t=0.4", 1, "math"]["identical_to_ar"] == "2/2"
+    assert by["filter t=0.4", 1, "all"]["filtered_fraction"] == pytest.approx(0.8)
+    assert by["filter t=0.4", 4, "all"]["speedup_vs_ar"] == pytest.approx(2.0)  # both segments: 40 tokens in 2 s
+    assert by["filter t=0.4", 4, "all"]["ratio_across_runs"] == "yes" and by["ar", 4, "all"]["ratio_across_runs"] == ""
+
+
+def test_a_stopped_segment_counts_for_quality_not_for_speed_and_budgets_answer_the_held_out_half():
+    held = {"humaneval/1", "math/1"}
+    got = {("ar", 1): answers([True, False, True, True], 10, 0, list("abcd")),
+           ("min_agreement 0.98", 1): {k: v for k, v in answers([True, True, True, True], 10, 9, list("abcd")).items()
+                                       if k in held}}
+    rows = summarize(["ar", "min_agreement 0.98"], [1], KINDS, got, [seg("ar", 1, 4.0)], held, {"min_agreement 0.98"})
+    by = {(r["config"], r["task"]): r for r in rows}
+    budget = by["min_agreement 0.98", "humaneval"]
+    assert budget["done"] == "1/1" and budget["speedup_vs_ar"] == "-"  # answered, but its segment never finished
+    assert budget["quality"] == 1.0 and budget["ar_quality_same_items"] == 0.0  # ar on the same (held-out) item
+
+
+def test_the_operating_point_is_the_most_drafted_setting_within_two_points_of_ar():
+    rows = [{"config": "ar", "c": 1, "task": "humaneval", "quality": 0.65, "ar_quality_same_items": 0.65,
+             "filtered_fraction": 0.0, "done": "164/164", "speedup_vs_ar": 1.0}]
+    for name, q, f in (("filter t=0.95", 0.634, 0.87), ("filter t=0.4", 0.55, 0.99), ("filter t=0.9", 0.64, 0.9)):
+        rows.append({"config": name, "c": 1, "task": "humaneval", "quality": q, "ar_quality_same_items": 0.65,
+                     "filtered_fraction": f, "done": "164/164", "speedup_vs_ar": 1.2})
+    assert operating_point(rows, 1)["config"] == "filter t=0.9"
+    rows[-1]["done"] = "100/164"  # not every item answered yet: not a point to choose
+    assert operating_point(rows, 1)["config"] == "filter t=0.95"
+    assert operating_point(rows, 8) is None
+
+
+def test_the_chart_is_written(tmp_path):
+    rows = [{"config": n, "c": c, "task": "humaneval", "quality": q, "speedup_vs_ar": x}
+            for c in (1, 4) for n, q, x in (("ar", 0.65, 1.0), ("filter t=0.4", 0.55, 1.8))]
+    assert plot(rows, "humaneval", tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_configurations_cover_every_family_and_refuse_unknown_names():
+    from serve_app.bench.pareto import DRAFT_ALONE, configurations
+
+    args = argparse.Namespace(filter_thresholds="0.95,0.4", rollback_nlls="1,4", budgets="0.98", small=False,
+                              only=None)
+    cfgs = dict(configurations(args))
+    assert list(cfgs)[:2] == ["ar", "draft only"] and cfgs["draft only"]["model"] == DRAFT_ALONE
+    assert cfgs["filter t=0.95"] == {"mode": "filter", "threshold": 0.95}
+    assert cfgs["rollback nll>4"] == {"mode": "rollback", "rollback_nll": 4.0}
+    assert cfgs["min_agreement 0.98"] == {"min_agreement": 0.98}
+    args.small, args.only = True, "filter t=0.4"
+    assert [n for n, _ in configurations(args)] == ["ar", "filter t=0.4"]  # ar always; no draft alone on SmolLM2
+    args.only = "filter t=0.5"
+    with pytest.raises(CalidError, match="unknown configuration"):
+        configurations(args)
