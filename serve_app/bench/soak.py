@@ -317,9 +317,9 @@ class _Soak:
                     await r.aread()
                     raise _HttpStatus(r.status_code)
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    event = _sse_event(line)
+                    if event is None:
                         continue
-                    event = json.loads(line[6:])
                     if event.get("usage"):
                         tokens = event["usage"]["completion_tokens"]
                     for choice in event.get("choices") or []:
@@ -488,6 +488,18 @@ class _HttpStatus(Exception):
     def __init__(self, status: int):
         super().__init__(f"HTTP {status}")
         self.status = status
+
+
+def _sse_event(line: str) -> dict | None:
+    """One line of an OpenAI event stream: its event, or None (not an event, or [DONE]). An error after the
+    first byte comes as an ``{"error": ...}`` event (the status is already 200): that is the request's outcome,
+    raised as its HTTP code, not an answer that stopped short."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    event = json.loads(line[6:])
+    if isinstance(event.get("error"), dict):
+        raise _HttpStatus(int(event["error"].get("code") or 500))
+    return event
 
 
 def _served(cfg) -> str:

@@ -97,3 +97,16 @@ def test_durations(text, seconds):
 def test_a_bad_duration_names_the_flag(text):
     with pytest.raises(CalidError, match="--kill-every"):
         parse_duration(text, "kill_every")
+
+
+def test_an_error_event_in_an_http_stream_is_the_requests_failure_not_a_short_answer():
+    """calid's HTTP stream reports a failure after its first byte (a request timeout, a worker gone) as an
+    error event with status 200 already sent; the soak once counted one as a served answer 160 tokens short."""
+    from serve_app.bench.soak import _HttpStatus, _sse_event
+
+    assert _sse_event(": keep-alive") is None and _sse_event("data: [DONE]") is None
+    assert _sse_event('data: {"choices": [{"delta": {"content": "x"}}]}')["choices"][0]["delta"]["content"] == "x"
+    with pytest.raises(_HttpStatus) as e:
+        _sse_event('data: {"error": {"message": "request did not finish within request_timeout_s=600", '
+                   '"type": "timeout", "code": 504}}')
+    assert e.value.status == 504
