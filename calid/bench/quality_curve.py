@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from calid.bench.quality import passes_humaneval, prefix_agreement
-from calid.bench.report import parse_numbers, write_report
+from calid.bench.report import parse_numbers, resume_meta, write_report
 from calid.decoding.modes import DecodeParams
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, SamplingParams
@@ -157,13 +157,7 @@ class Store:
         self.path, meta_path = folder / "results.jsonl", folder / "meta.json"
         if fresh:
             self.path.unlink(missing_ok=True)
-        if self.path.exists() and meta_path.exists():
-            old = json.loads(meta_path.read_text())
-            changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
-            if changed:
-                raise CalidError(f"{self.path} holds results run with other settings {changed}; rerun with --fresh "
-                                 "(or another --out)")
-        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        resume_meta(meta_path, meta, self.path.exists())
         self.rows: dict[tuple[str, str], dict] = {}
         if self.path.exists():
             for line in self.path.read_text().splitlines():

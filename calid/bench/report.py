@@ -34,3 +34,17 @@ def write_report(out_dir: Path, name: str, title: str, meta: dict, rows: list[di
     body += [f"- {n}" for n in notes]
     md.write_text("\n".join(body) + "\n")
     return js, md
+
+
+def resume_meta(meta_path: Path, meta: dict, resuming: bool) -> None:
+    """A resumable benchmark's settings: when ``resuming`` (results exist), those at ``meta_path`` must equal
+    ``meta`` (else a CalidError names what changed); then ``meta`` is written there."""
+    from calid.errors import CalidError
+
+    if resuming and meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+        if changed:
+            raise CalidError(f"{meta_path.parent} holds results run with other settings {changed}; rerun with "
+                             "--fresh (or another --out)")
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")

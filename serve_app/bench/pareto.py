@@ -71,7 +71,7 @@ class Results:
     segments.jsonl (one line per finished segment), under ``folder``, checked against meta.json."""
 
     def __init__(self, folder: Path, meta: dict, fresh: bool):
-        from calid.errors import CalidError
+        from calid.bench.report import resume_meta
 
         folder.mkdir(parents=True, exist_ok=True)
         self.answers_path, self.segments_path = folder / "answers.jsonl", folder / "segments.jsonl"
@@ -79,13 +79,7 @@ class Results:
         if fresh:
             self.answers_path.unlink(missing_ok=True)
             self.segments_path.unlink(missing_ok=True)
-        if self.answers_path.exists() and meta_path.exists():
-            old = json.loads(meta_path.read_text())
-            changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
-            if changed:
-                raise CalidError(f"{folder} holds answers run with other settings {changed}; rerun with --fresh "
-                                 "(or another --out)")
-        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        resume_meta(meta_path, meta, self.answers_path.exists())
         self.meta = meta
         self.answers: dict[tuple[str, int], dict[str, dict]] = {}
         for row in _lines(self.answers_path):
