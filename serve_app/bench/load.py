@@ -2,16 +2,21 @@
 
 Loads, in this order (every mode runs each load before the next load starts, so that drift on a shared
 machine hits all modes alike):
-  c1, c4, c16   a concurrency sweep: C clients, each sending its next request when the last one ends;
+  c1, c4, c16   a concurrency sweep: C clients, each sending its next request when the last one ends, with
+                prompts of --workload (default mix: code to write, text to edit, open chat, in turn) through the
+                chat template, each answer to its EOS as users' requests end (--ignore-eos: the labelled
+                stress case, every answer --max-new-tokens long);
   light, capacity, overload
                 a replay of the Azure LLM inference trace 2023 (its first requests: arrival gaps and lengths)
                 scaled to 0.25x, 1x and 2x the request rate ar sustains at the highest concurrency (measured
                 in this run), each for about --trace-seconds (so a replay holds rate x seconds requests, at
-                least 4); prompts are windows of real text (HumanEval) cut to the trace's prompt lengths.
+                least 4); prompts are windows of real text (HumanEval) cut to the trace's prompt lengths, each
+                answer as long as the trace's (EOS ignored).
 Prompt and output lengths are capped (--max-prompt-tokens, --max-new-tokens) to keep the default run near
 20 minutes on a 2-core CPU. Scores per mode and load: throughput, goodput (tokens of requests that met the
-SLO), TTFT and TPOT p50/p99 (calid.placement.traffic), goodput as a ratio to ar; a PNG plots goodput and p99 TPOT
-against load. The SLO defaults to --slo-scale times ar's TTFT and TPOT p50 at the lowest concurrency.
+SLO), TTFT and TPOT p50/p99 (calid.placement.traffic), goodput as a ratio to ar, the n-gram-copyable share of
+the sweep's outputs; a PNG plots goodput and p99 TPOT against load. The SLO defaults to --slo-scale times ar's
+TTFT and TPOT p50 at the lowest concurrency.
 """
 from __future__ import annotations
 
@@ -22,11 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+from calid.bench.data import WORKLOADS
 from calid.placement.traffic import DEFAULT_TRACE
 
 COLUMNS = ["load", "mode", "requests", "errors", "tokens", "tok_s", "tok_s_vs_ar", "goodput_tok_s", "goodput_vs_ar",
            "slo_met",
-           "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "draft_share"]
+           "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "draft_share", "ngram_share"]
 RATES = {"light": 0.25, "capacity": 1.0, "overload": 2.0}  # trace replays, in multiples of ar's capacity
 
 
@@ -41,7 +47,11 @@ def add_parser(sub) -> None:
                    "rate x seconds requests, at least 4")
     p.add_argument("--trace-requests", type=int, default=64, help="most requests one replay holds (default 64)")
     p.add_argument("--rates", default="light,capacity,overload", help=f"trace replays among {', '.join(RATES)}")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="at most this many tokens an answer (default 64)")
+    p.add_argument("--workload", default="mix", choices=WORKLOADS, help="the sweep's prompts (default mix: code to "
+                   "write, text to edit or summarize, open chat, in turn; calid.bench.data.workload_prompts)")
+    p.add_argument("--ignore-eos", action="store_true", help="stress case: the sweep's answers run past EOS to "
+                   "--max-new-tokens")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--slo-scale", type=float, default=5.0, help="SLO = this x ar's TTFT and TPOT p50 at the "
                    "lowest concurrency (default 5)")
@@ -77,7 +87,7 @@ def _options(args):
 def run(args) -> int:
     from calid.backends import cpu_summary, model_facts
     from calid.placement import traffic as load
-    from calid.bench.data import humaneval_prompts
+    from calid.bench.data import humaneval_prompts, workload_prompts
     from calid.bench.plot import load_curves
     from calid.bench.report import write_report
     from calid.models.loader import load_tokenizer
@@ -97,12 +107,12 @@ def run(args) -> int:
         trace = load.capped(load.read_trace(Path(args.trace), args.trace_requests), args.max_prompt_tokens,
                             args.max_new_tokens)
     trace_prompts = [tokenizer.decode(ids) for ids in load.cut_prompts(corpus, [r.prompt_tokens for r in trace])]
-    sweep_prompts = [tokenizer.decode(ids) for ids in load.cut_prompts(corpus, [args.max_prompt_tokens] * 64)]
+    sweep_prompts = workload_prompts(args.workload, 64)
     print(
         f"bench load: target {cfg.target}, draft {cfg.draft}; modes {modes}; concurrency {sweep}; trace "
         f"replays of ~{args.trace_seconds:g} s at {rates}; <= {args.max_prompt_tokens} prompt / "
-        f"{args.max_new_tokens} new tokens "
-        f"(EOS ignored), greedy; {cpu_summary()}",
+        f"{args.max_new_tokens} new tokens; sweep: workload {args.workload}, "
+        f"{'EOS ignored (stress case)' if args.ignore_eos else 'to EOS'}; greedy; {cpu_summary()}",
         file=sys.stderr,
     )
     serve_app(cfg, dashboard=False)
@@ -117,7 +127,8 @@ def run(args) -> int:
                     n = max(c, 4)
                     with _draft_share(cfg, shares, (f"c{c}", mode)):
                         runs[(f"c{c}", mode)] = asyncio.run(_closed_loop(address, cfg.app_name, mode, c, n,
-                                                                          sweep_prompts, args.max_new_tokens))
+                                                                          sweep_prompts, args.max_new_tokens,
+                                                                          args.ignore_eos))
                     bar.update(1)
             ar_top = load.score(runs[(f"c{sweep[-1]}", "ar")], load.Slo(float("inf"), float("inf")))
             capacity_rps = ar_top["tok_s"] / statistics.mean(r.output_tokens for r in trace) if trace else 0.0
@@ -133,7 +144,7 @@ def run(args) -> int:
     finally:
         shutdown()
     slo = _slo(args, runs[(f"c{sweep[0]}", "ar")])
-    rows = _rows(runs, slo)
+    rows = _rows(runs, slo, tokenizer)
     for r in rows:
         r["draft_share"] = shares.get((r["load"], r["mode"]), float("nan"))
     loads = [f"c{c}" for c in sweep] + rates
@@ -159,7 +170,11 @@ def _notes(args) -> list[str]:
         f"the request rate ar sustains at the highest concurrency, each for ~{args.trace_seconds:g} s (rate x "
         "seconds requests, at least 4)",
         f"prompts: HumanEval text cut to the trace's prompt lengths (capped at {args.max_prompt_tokens} tokens); "
-        f"outputs capped at {args.max_new_tokens} tokens",
+        f"outputs capped at {args.max_new_tokens} tokens; the sweep's answers end at EOS"
+        f"{' (not this run: --ignore-eos, the stress case)' if args.ignore_eos else ''}, the replays' at the "
+        "trace's lengths",
+        "ngram_share: of the sweep's output tokens, those an n-gram proposal from the request's own text (prompt "
+        "through the chat template, and output so far) would have predicted: what copying drafts can find",
         "draft_share = the router's time waiting for draft calls / its step time: the most that drafting the next "
         "step while the target verifies this one (LLMCad's draft-while-verify) could take off a step",
     ]
@@ -186,12 +201,14 @@ def _slo(args, ar_low: list):
                     args.slo_tpot_s or args.slo_scale * base["tpot_ms_p50"] / 1000)
 
 
-def _rows(runs: dict, slo) -> list[dict]:
+def _rows(runs: dict, slo, tokenizer=None) -> list[dict]:
+    from calid.bench.ngram_bound import ngram_share
     from calid.placement import traffic as load
 
     rows = []
     for (where, mode), outcomes in runs.items():
-        rows.append({"load": where, "mode": mode, **load.score(outcomes, slo)})
+        rows.append({"load": where, "mode": mode, **load.score(outcomes, slo),
+                     "ngram_share": ngram_share(tokenizer, outcomes) if where.startswith("c") else "-"})
     ar = {r["load"]: r for r in rows if r["mode"] == "ar"}
     for r in rows:
         base = ar[r["load"]]
@@ -231,26 +248,32 @@ async def _warm(address: str, app: str, modes: list[str], prompt: str) -> None:
             await c.generate(prompt, max_new_tokens=4, ignore_eos=True, mode=mode)
 
 
-async def _one(c, prompt: str, mode: str, max_new: int, **kw):
-    """One streamed request as the client sees it (``kw``: more request fields, e.g. model, raw_prompt)."""
+async def _one(c, prompt: str, mode: str, max_new: int, ignore_eos: bool = True, **kw):
+    """One streamed request as the client sees it (``kw``: more request fields, e.g. model, raw_prompt); a chat
+    request (no raw_prompt) keeps its prompt and answer for the n-gram share."""
     from calid.placement.traffic import Outcome
 
     sent = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens, pieces, drafted = 0, [], None
     try:
-        async for chunk in c.stream(prompt, max_new_tokens=max_new, ignore_eos=True, mode=mode, **kw):
+        async for chunk in c.stream(prompt, max_new_tokens=max_new, ignore_eos=ignore_eos, mode=mode, **kw):
             if chunk.token_ids:
                 last = time.perf_counter()
                 first = first or last
                 tokens += len(chunk.token_ids)
+                pieces.append(chunk.text)
+            if chunk.stats:
+                drafted = int(chunk.stats.get("draft_tokens", 0))
     except Exception as e:  # noqa: BLE001 - counted as an error in the run's row
         return Outcome(sent, first, last, tokens, error=f"{type(e).__name__}: {e}")
-    return Outcome(sent, first, last, tokens)
+    chat = not kw.get("raw_prompt")
+    return Outcome(sent, first, last, tokens, prompt=prompt if chat else "", text="".join(pieces) if chat else "",
+                   drafted=drafted)
 
 
 async def _closed_loop(address: str, app: str, mode: str, clients: int, n: int, prompts: list[str],
-                       max_new: int) -> list:
+                       max_new: int, ignore_eos: bool = False) -> list:
     from calid.client import AsyncClient
 
     todo = list(range(n))
@@ -259,7 +282,7 @@ async def _closed_loop(address: str, app: str, mode: str, clients: int, n: int, 
     async def client(c):
         while todo:
             i = todo.pop()
-            out.append(await _one(c, prompts[i % len(prompts)], mode, max_new))
+            out.append(await _one(c, prompts[i % len(prompts)], mode, max_new, ignore_eos))
 
     async with AsyncClient(address, app=app, timeout=1800) as c:
         await asyncio.gather(*(client(c) for _ in range(clients)))

@@ -32,3 +32,6 @@ def test_bench_load_small(tmp_path):
     assert (tmp_path / "load-small.png").stat().st_size > 10_000
     assert re.search(r"^c1 \((goodput|throughput[^)]*)\): auto \d", proc.stderr, re.M), proc.stderr[-2000:]
     assert all(rows[(w, "ar")]["tok_s_vs_ar"] == 1.0 for w in loads)
+    # the sweep's chat answers (to EOS) say how much of them copying drafts could find; replays have no chat text
+    assert all(0 <= rows[(w, m)]["ngram_share"] <= 1 for w in ("c1", "c2") for m in ("ar", "auto"))
+    assert all(rows[(w, "ar")]["ngram_share"] == "-" for w in loads[2:])
