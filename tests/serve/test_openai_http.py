@@ -38,6 +38,10 @@ def test_chat_greedy_equals_grpc(oai, client):
         assert r.usage.completion_tokens == len(g.token_ids)
         stats = r.model_extra["calid"]
         assert stats["mode"] == mode and stats["output_tokens"] == len(g.token_ids)
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=24,
+                                    temperature=0, extra_body={"mode": "rollback", "rollback_nll": 4.0})
+    assert r.choices[0].message.content == client.generate(PROMPT, mode="rollback", rollback_nll=4.0,
+                                                           max_new_tokens=24).text
 
 
 def test_chat_stream_with_usage(oai):
@@ -143,6 +147,9 @@ def test_errors_map_to_the_sdk_exceptions(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10**6)
     assert "max_tokens" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # rollback's bound, sent with another mode
+        oai.chat.completions.create(model=MODEL, messages=msgs, extra_body={"mode": "filter", "rollback_nll": 2})
+    assert e.value.body["param"] == "rollback_nll"
 
 
 def test_langchain_invoke_and_stream(base_url, oai):
