@@ -148,7 +148,9 @@ def _serve_all(cfg, args, cfgs, sweep: list[int], pending: dict, results: Result
     serve_app(cfg, dashboard=False)
     try:
         url = f"http://127.0.0.1:{cfg.http_port}/v1"
-        asyncio.run(_segment(url, cfg, "warm-up", {"mode": "ar"}, 1, [], None, warm=True))
+        for name, body in cfgs:  # no segment pays a first call's costs (calibration, caches)
+            if any(key[0] == name for key in pending):
+                asyncio.run(_segment(url, cfg, name, body, 1, [], None, warm=True))
         for c in sweep:
             for name, body in cfgs:
                 its = pending.get((name, c))
