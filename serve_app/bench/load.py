@@ -255,7 +255,7 @@ async def _one(c, prompt: str, mode: str, max_new: int, ignore_eos: bool = True,
 
     sent = time.perf_counter()
     first = last = None
-    tokens, pieces, drafted = 0, [], None
+    tokens, pieces = 0, []
     try:
         async for chunk in c.stream(prompt, max_new_tokens=max_new, ignore_eos=ignore_eos, mode=mode, **kw):
             if chunk.token_ids:
@@ -263,13 +263,10 @@ async def _one(c, prompt: str, mode: str, max_new: int, ignore_eos: bool = True,
                 first = first or last
                 tokens += len(chunk.token_ids)
                 pieces.append(chunk.text)
-            if chunk.stats:
-                drafted = int(chunk.stats.get("draft_tokens", 0))
     except Exception as e:  # noqa: BLE001 - counted as an error in the run's row
         return Outcome(sent, first, last, tokens, error=f"{type(e).__name__}: {e}")
     chat = not kw.get("raw_prompt")
-    return Outcome(sent, first, last, tokens, prompt=prompt if chat else "", text="".join(pieces) if chat else "",
-                   drafted=drafted)
+    return Outcome(sent, first, last, tokens, prompt=prompt if chat else "", text="".join(pieces) if chat else "")
 
 
 async def _closed_loop(address: str, app: str, mode: str, clients: int, n: int, prompts: list[str],

@@ -112,6 +112,7 @@ def run(args) -> int:
     from calid.bench.quality_curve import items
     from calid.bench.report import parse_numbers
     from calid.errors import CalidError
+    from serve_app.bench.peers import _free_port
     from serve_app.cluster.config import AppConfig, ModelSpec
 
     sweep = sorted(set(parse_numbers(args.concurrency, int)))
@@ -259,9 +260,3 @@ def _served(cfg) -> str:
     from calid.models.source import served_name
 
     return cfg.served_model or served_name(cfg.target)
-
-
-def _free_port() -> int:
-    from serve_app.bench.peers import _free_port as free
-
-    return free()
