@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 from ray import serve
 
+from calid.admission import Backlog, budget_left
 from calid.decoding.budget import starting_table
 from calid.decoding.modes import MODES
 from calid.edge import EdgeRound, round_draft
@@ -117,6 +118,8 @@ class Router(GrpcFront):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._rates = RateWindow()
+        self._backlog = Backlog(self.cfg.request_timeout_s)  # admission by expected finish time
+        self._refused_late = 0  # requests refused because the work ahead would outlast their timeout
         self._metrics = RouterMetrics()
         self._steps = 0
         self._slo = {True: 0, False: 0}  # finished requests that met / missed the model's SLO
@@ -162,7 +165,8 @@ class Router(GrpcFront):
                 "agreement": {"audited_tokens": self.orch.audited[1], "agreed_tokens": self.orch.audited[0],
                               "draft_top1_match": self.orch.agreement.agreement_rate,
                               "calibration": str(self.agreement_calibration or "")},
-                "model": self.model_id, "slo": {"met": self._slo[True], "missed": self._slo[False]}}
+                "model": self.model_id, "slo": {"met": self._slo[True], "missed": self._slo[False]},
+                "admission": {"tokens_per_s": self._backlog.rate.per_s, "refused_late": self._refused_late}}
 
     async def worker_stats(self) -> dict:
         """Each worker role's own stats (one replica's: time in forwards, batches, caches), as this router reaches
@@ -255,6 +259,7 @@ class Router(GrpcFront):
             raise self.refuse(mode, grpc.StatusCode.INVALID_ARGUMENT, str(e), frontend) from None
         if self._full(held):  # others were admitted while this one was tokenized
             raise self._refuse_full(req.decode.mode, frontend)
+        self._refuse_late(req, held, frontend)
         r = _Request(request.request_id or req.request_id, req.decode.mode, req,
                      time.monotonic() + self.cfg.request_timeout_s,
                      owner=caller.key if self._keys is not None else None, edge=edge, arrived=arrived,
@@ -282,6 +287,29 @@ class Router(GrpcFront):
                               f"{self.cfg.max_active} decoding); retry later", frontend)
         refused.retry_after_s = RETRY_AFTER_S
         return refused
+
+    def _refuse_late(self, req: GenerationRequest, held: int, frontend: str) -> None:
+        """Refuse ``req`` (RESOURCE_EXHAUSTED, with when to retry) if it would wait for a slot and the work
+        admitted before it, with its own, would not be done within request_timeout_s (calid.admission)."""
+        ahead = sum(self._budget_left(r.req) for r in self._requests.values() if not r.score_only)
+        own = self._budget_left(req)
+        must_wait = len(self._waiting) + len(self.orch.active) + held >= self.cfg.max_active
+        verdict = self._backlog.judge(ahead, own, must_wait)
+        if verdict.admit:
+            return
+        self._refused_late += 1
+        refused = self.refuse(req.decode.mode, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the requests ahead would keep this one from finishing within request_timeout_s="
+                              f"{self.cfg.request_timeout_s:g} (about {verdict.finish_s:.0f} s of work at the "
+                              f"measured {self._backlog.rate.per_s:.1f} tokens/s); retry in "
+                              f"{verdict.retry_after_s:g} s", frontend)
+        refused.retry_after_s = verdict.retry_after_s
+        raise refused
+
+    def _budget_left(self, req: GenerationRequest) -> int:
+        s = self.orch.active.get(req.request_id)
+        return budget_left(req.params.max_new_tokens, len(req.prompt_ids), len(s.output) if s else 0,
+                           self.max_position)
 
     def authorize(self, caller: Caller, mode: str) -> None:
         if self._keys is not None and not allowed(self._keys, caller.key):
@@ -352,7 +380,7 @@ class Router(GrpcFront):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            start = time.perf_counter()
+            start, produced = time.perf_counter(), sum(len(s.output) for s in states)
             try:
                 await self._step(states)
             except WorkersUnavailable as e:
@@ -364,7 +392,9 @@ class Router(GrpcFront):
                 for s in states:
                     self._deliver_failure(s.req.request_id, Failure(grpc.StatusCode.INTERNAL, f"internal error: {e!r}"))
             self._finish(self.orch.finished())
-            self._step_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self._step_s += elapsed
+            self._backlog.rate.add(sum(len(s.output) for s in states) - produced, elapsed)
 
     def _ready(self, s: RequestState) -> bool:
         """Whether a step can advance ``s`` now: an edge request waits for its client's next round."""

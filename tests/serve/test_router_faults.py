@@ -121,6 +121,58 @@ def test_a_hung_worker_call_times_out_is_cancelled_and_retried(target):
     )  # ...which cancelled it
 
 
+def test_a_request_the_backlog_would_make_late_is_refused_with_when_to_retry(target):
+    """Overload: with the one slot busy, requests are admitted while the work ahead of each (at max_new_tokens)
+    fits in request_timeout_s at the rate the router measured, and the rest are refused RESOURCE_EXHAUSTED
+    with a retry time, before any of it can time out; once the backlog is gone, the same request is admitted."""
+    from serve_app.ingress.frontdoor import Caller, Refused
+
+    timeout_s = 20.0
+
+    def request(max_new_tokens):
+        return pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=max_new_tokens, ignore_eos=True)
+
+    async def idle(router):
+        while router._requests:
+            await asyncio.sleep(0.01)
+
+    async def run():
+        router = _router(_Target(_worker(target)), max_active=1, queue_capacity=50, request_timeout_s=timeout_s)
+        warm = await router.open(request(4000), Caller())
+        while router._backlog.rate.per_s is None:  # a second of steps measures the rate
+            await asyncio.sleep(0.01)
+        router.close(warm)
+        await idle(router)
+        per_s = router._backlog.rate.per_s
+        running = await router.open(request(int(per_s * timeout_s * 3 / 16)), Caller())
+        while running.req.request_id not in router.orch.active:
+            await asyncio.sleep(0.01)
+        each = int(per_s * timeout_s / 8)
+        opened = []
+        for _ in range(20):
+            try:
+                opened.append(await router.open(request(each), Caller()))
+            except Refused as e:
+                opened.append(e)
+        for r in [running, *opened]:
+            if not isinstance(r, Refused):
+                router.close(r)
+        await idle(router)
+        again = await router.open(request(each), Caller())
+        router.close(again)
+        await idle(router)
+        return opened, router
+
+    opened, router = asyncio.run(run())
+    refused = [r for r in opened if isinstance(r, Refused)]
+    # by the rule 6 fit behind the running request (by 6%), give or take its progress and the rate's drift
+    assert 4 <= len(opened) - len(refused) <= 8
+    first = refused[0]
+    assert first.code == grpc.StatusCode.RESOURCE_EXHAUSTED and first.retry_after_s >= 1
+    assert f"request_timeout_s={timeout_s:g}" in first.message and "tokens/s" in first.message
+    assert asyncio.run(router.stats())["admission"]["refused_late"] == len(refused)
+
+
 def test_tokenization_runs_off_the_event_loop(target):
     """A prompt stuck in the tokenizer does not stall the router: Health and a refusal answer meanwhile."""
     router = _router(_Target(_worker(target)), max_active=1, queue_capacity=0)
