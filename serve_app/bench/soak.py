@@ -9,7 +9,10 @@ Every completed greedy answer is checked token for token against the reference d
 forwards and the check off). An answer that differs is kept with the target's margin where it first differs
 (the reference's top logprob minus the token taken instead, from the reference's logprobs): within
 NEAR_TIE_NATS it is a near-tie a batch's rounding can flip; farther, or a token outside the target's top two, it
-is counted as wrong (what lost or corrupted state would do), apart from tokens missing. Every --sample-every,
+is counted as wrong (what lost or corrupted state would do), apart from tokens missing. A filter answer is judged
+by tokens missing only: each of its tokens comes from the draft or the target by the draft's confidence against
+the threshold, which the reference's (target) logprobs do not show, so where it differs it is kept and counted,
+marked as a filter switch, and not called wrong. Every --sample-every,
 each process's RSS (and its private anonymous part) and the router's queue / active / KV gauges are recorded.
 At the end: served, refused by reason, failed in and outside the kill windows, tokens missing, answers not
 identical to the reference (and of them, not at a near-tie), each process's RSS slope in % and MB per hour,
@@ -201,10 +204,12 @@ class _Soak:
         from calid.bench.soak_report import is_near_tie, tie_margin
 
         margin = tie_margin(tops[at], taken) if at is not None and at < len(tops) else None
+        switch = mode == "filter"  # the draft's confidence chose the token's source: the target's margin cannot tell
         self.mismatches.append({"t": round(self.now(), 1), "api": api, "mode": mode, "prompt": i, "limit": limit,
                                 "got": got, "reference": min(limit, len(tops)), **where,
-                                "margin_nats": None if margin is None else round(margin, 4)})
-        return at is not None and not is_near_tie(margin)
+                                "margin_nats": None if margin is None else round(margin, 4),
+                                **({"filter_switch": True} if switch else {})})
+        return at is not None and not switch and not is_near_tie(margin)
 
     async def _timed(self, kind: str, call):
         """Run ``call()`` (returns tokens, (missing, differs, wrong), ttft_s) and record its outcome."""

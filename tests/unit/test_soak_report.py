@@ -110,3 +110,17 @@ def test_an_error_event_in_an_http_stream_is_the_requests_failure_not_a_short_an
         _sse_event('data: {"error": {"message": "request did not finish within request_timeout_s=600", '
                    '"type": "timeout", "code": 504}}')
     assert e.value.status == 504
+
+
+def test_a_filter_answer_that_differs_is_kept_as_a_switch_not_judged_by_the_targets_margin():
+    """A filter token comes from the draft or the target by the draft's confidence, which the reference's
+    target logprobs do not show: the same difference (7.8 nats from the target's top choice) is wrong in ar and
+    a filter switch in filter."""
+    from serve_app.bench.soak import _Soak
+
+    soak = _Soak.__new__(_Soak)  # only what _differs reads
+    soak.mismatches, soak.t0 = [], 0.0
+    tops = [[(5, -0.1), (6, -2.0)], [(7, -0.01), (8, -7.81)]]
+    for mode, wrong in (("ar", True), ("filter", False)):
+        assert soak._differs("grpc", mode, 0, 16, 16, tops, 1, 9, {"first_difference": 1}) is wrong
+    assert [m.get("filter_switch", False) for m in soak.mismatches] == [False, True]
