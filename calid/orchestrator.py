@@ -32,8 +32,8 @@ from calid.decoding.modes import DecodeParams
 from calid.decoding.ngram import MAX_CHAIN, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, PlanInput, StepGuard, draft_depth,
-                            plan_steps, step_seconds)
+from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, PlanInput, StepGuard, draft_depth, plan_steps,
+                            saved_by, step_saving)
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -108,9 +108,11 @@ class Orchestrator:
         # per batch size; the caller times each whole step (observe_step), and the guard may run a planned drafting
         # step plain
         self.guard: StepGuard | None = StepGuard()  # None: plans are followed as made (pinned cost tables)
-        # this step's states, how deep it drafts (calid.planning.draft_depth; 0: plain), the tokens before it, and
-        # what the planner forecast of it
-        self._timed_step: tuple[list[RequestState], int, int, Forecast] | None = None
+        # this step's states, how deep it drafts (calid.planning.draft_depth; 0: plain), each one's output length
+        # before it, what the planner forecast of it, and per target replica what its saving is judged by (the auto
+        # requests' plan inputs, the replica's cost table and its other requests)
+        self._timed_step: tuple[list[RequestState], int, list[int], Forecast,
+                                list[tuple[list[RequestState], list[PlanInput], CostTable, int]]] | None = None
         # the draft model's catch-up: seconds per token it prefills (measured by the caller), and how many of each
         # request's ids its last draft task carried (what its cache holds, unless evicted)
         self.draft_prefill_s = 0.0
@@ -226,9 +228,12 @@ class Orchestrator:
         (caller-measured): the guard's measure of steps that drafted vs plain steps, for auto steps past their
         prefill."""
         if self._timed_step is not None and self.guard is not None:
-            states, depth, before, forecast = self._timed_step
+            states, depth, before, forecast, groups = self._timed_step
             self._timed_step = None
-            self.guard.observe(len(states), depth, seconds, sum(len(s.output) for s in states) - before, forecast)
+            made = {id(s): len(s.output) - n for s, n in zip(states, before)}
+            saved = sum(saved_by(inputs, [made[id(s)] for s in auto], verify, fixed)
+                        for auto, inputs, verify, fixed in groups)
+            self.guard.observe(len(states), depth, seconds, sum(made.values()), saved, forecast)
 
     def decode_of(self, s: RequestState) -> DecodeParams:
         """The mode a request runs this step (auto: what the planner chose)."""
@@ -294,8 +299,9 @@ class Orchestrator:
         by_replica: dict[Hashable | None, list[RequestState]] = {}
         for s in states:
             by_replica.setdefault(self.replica_of(s.req.request_id), []).append(s)
-        plans, extra = [], []  # extra: tokens each request's choice expects beyond a plain step's one
+        plans, extra, groups = [], [], []  # extra: tokens each request's choice expects beyond a plain step's one
         seconds = plain_seconds = 0.0  # replicas run their forwards side by side: the step takes the slowest's
+        saving = plain_saving = 0.0  # and their savings add up
         for replica, group in by_replica.items():
             auto = [s for s in group if s.req.decode.mode == "auto"]
             if auto:
@@ -304,10 +310,12 @@ class Orchestrator:
                 chosen = plan_steps(inputs, verify, draft_cost, fixed, sliced=self.sliced)
                 plans += zip(auto, chosen)
                 extra += [r.tokens(c) - 1 for r, c in zip(inputs, chosen)]
-                seconds = max(seconds, step_seconds(chosen, inputs, verify, draft_cost, fixed, self.sliced))
-                plain_seconds = max(plain_seconds,
-                                    step_seconds([AR] * len(auto), inputs, verify, draft_cost, fixed, self.sliced))
-        forecast = Forecast(sum(extra), seconds, plain_seconds)
+                groups.append((auto, inputs, verify, fixed))
+                saves, secs = step_saving(chosen, inputs, verify, draft_cost, fixed, self.sliced)
+                plain_saves, plain_secs = step_saving([AR] * len(auto), inputs, verify, draft_cost, fixed, self.sliced)
+                saving, seconds = saving + saves, max(seconds, secs)
+                plain_saving, plain_seconds = plain_saving + plain_saves, max(plain_seconds, plain_secs)
+        forecast = Forecast(saving, seconds, plain_saving, plain_seconds)
         drafts = any(c.mode != "ar" for _, c in plans)
         depth = draft_depth(sum(extra)) if drafts else 0
         if depth and self.guard is not None and not self.guard.allow(len(states), depth, forecast):
@@ -315,8 +323,8 @@ class Orchestrator:
         # a step that prefills (a new request's whole prompt, or a chunk of it) says nothing of decoding: under a
         # closed loop at 8 requests such steps made plain steps read 137 ms per token instead of ~28
         if all(s.stats.target_calls for s in states):
-            timed = forecast if depth else Forecast(0.0, plain_seconds, plain_seconds)
-            self._timed_step = (states, depth, sum(len(s.output) for s in states), timed)
+            timed = forecast if depth else Forecast.plain(plain_saving, plain_seconds)
+            self._timed_step = (states, depth, [len(s.output) for s in states], timed, groups)
         self.planned.update(c.mode for _, c in plans)
         for s, c in plans:
             rid = s.req.request_id

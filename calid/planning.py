@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 SMOOTHING = 0.3  # weight of a new timing in a size's running estimate
-GUARD_MARGIN = 0.03  # a drafting step's corrected forecast must be at least this share cheaper per token to run
+GUARD_MARGIN = 0.03  # a drafting step's corrected forecast must save at least this share more per second to run
 GUARD_EXPLORE = 24  # one step in this many goes against the guard's verdict, to keep both measures current
 GUARD_MIN = 3  # steps of each kind measured before the guard judges
 GUARD_PROBE = 4  # until plain steps are measured, one planned drafting step in this many runs plain
@@ -579,6 +579,22 @@ def step_seconds(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, d
     return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced).seconds()
 
 
+def step_saving(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
+                fixed_tokens: int = 0, sliced: bool = False) -> tuple[float, float]:
+    """(plain decoding seconds a step under ``plan`` is expected to save, the seconds it is expected to take): the
+    two sides of step_rate, for the guard to check against what the step did (saved_by)."""
+    step = _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced)
+    return step.togo.start - step._expected_cost(), step.seconds()
+
+
+def saved_by(reqs: list[PlanInput], produced: list[int], verify: CostTable, fixed_tokens: int = 0) -> float:
+    """Plain decoding seconds a step that gave request i ``produced[i]`` tokens saved: the batch's cost to go
+    before it less after it, in the terms the planner forecast it (step_saving). A token of a request already
+    ahead of the others is worth its row of a later plain step; one of the request furthest behind, a whole step."""
+    step = _Step(reqs, verify, CostTable(), fixed_tokens, [AR] * len(reqs), spread=False)
+    return step.togo.start - step.togo([max(0.0, x - n) for x, n in zip(step.left, produced)])
+
+
 def plan_steps(reqs: list[PlanInput], verify: CostTable, draft_step: CostTable, fixed_tokens: int = 0,
                passes: int = 2, sliced: bool = False) -> list[Choice]:
     """Per request the Choice maximising ``step_rate``. Starts from the best plan that gives every request the
@@ -673,30 +689,35 @@ def _nearest(c: Choice, options: list[Choice]) -> Choice:
 
 @dataclass(frozen=True)
 class Forecast:
-    """What the planner expects of a step: ``extra`` tokens beyond one per request, in ``seconds``, where the
-    same step run plain would take ``plain_seconds``."""
+    """What the planner expects of a step: to save ``saving`` seconds of plain decoding (the batch's cost to go:
+    step_saving) in ``seconds``, where the same step run plain would save ``plain_saving`` in ``plain_seconds``."""
 
-    extra: float
+    saving: float
     seconds: float
+    plain_saving: float
     plain_seconds: float
+
+    @classmethod
+    def plain(cls, saving: float, seconds: float) -> "Forecast":
+        return cls(saving, seconds, saving, seconds)
 
 
 @dataclass
 class _Held:
-    """How steps of one kind went against their forecasts: decayed sums of seconds taken and forecast, tokens
-    produced, and tokens produced beyond one per request against those forecast."""
+    """How steps of one kind went against their forecasts: decayed sums of seconds taken and forecast, of plain
+    decoding seconds saved and forecast (saved_by, step_saving), and of tokens produced (for ms per token)."""
 
     seconds: float = 0.0
     forecast_s: float = 0.0
+    saved: float = 0.0
+    forecast_saved: float = 0.0
     tokens: float = 0.0
-    extra: float = 0.0
-    forecast_extra: float = 0.0
     samples: int = 0
 
-    def observe(self, seconds: float, tokens: int, extra: float, forecast: Forecast) -> None:
+    def observe(self, seconds: float, tokens: int, saved: float, forecast: Forecast) -> None:
         d = GUARD_DECAY
         self.seconds, self.tokens = d * self.seconds + seconds, d * self.tokens + tokens
-        self.extra, self.forecast_extra = d * self.extra + extra, d * self.forecast_extra + forecast.extra
+        self.saved, self.forecast_saved = d * self.saved + saved, d * self.forecast_saved + forecast.saving
         self.forecast_s = d * self.forecast_s + forecast.seconds
         self.samples += 1
 
@@ -711,8 +732,8 @@ class _Held:
 
     @property
     def yielded(self) -> float:
-        """Extra tokens produced per extra token forecast (1.0 until forecasts are known)."""
-        return self.extra / self.forecast_extra if self.forecast_extra > 0 else 1.0
+        """Seconds saved per second of saving forecast (1.0 until forecasts are known)."""
+        return self.saved / self.forecast_saved if self.forecast_saved > 0 else 1.0
 
 
 def guard_bucket(requests: int) -> int:
@@ -732,13 +753,18 @@ class StepGuard:
     """Whether a step may draft as planned: its forecast, corrected by how forecasts of its kind held, against a
     plain step's, corrected the same way.
 
-    A drafting step's forecast (``Forecast``: extra tokens and seconds) is scaled by what steps of its batch size and
-    depth measurably did against theirs: seconds taken per second forecast (transport, planning, a verification
-    dearer than its table) and extra tokens per extra token forecast (a copy that breaks sooner than its survival
-    said); a plain step's by its seconds per second forecast. The step drafts only where the corrected forecast
-    is at least GUARD_MARGIN cheaper per token. So a strong forecast still drafts where weak ones of the same
-    depth lost (a refactor's long copy beside a summary's shaky ones), and forecasts that do not hold stop
-    drafting. A depth with fewer than GUARD_MIN steps of its own is judged by all drafting steps of its size."""
+    Steps are measured in the planner's own terms: plain decoding seconds saved (the batch's cost to go before
+    the step less after it, saved_by) per second taken. Counting tokens instead let a burst lose: at 4 requests
+    three copied 50 tokens each ahead of a fourth, 30 ms per token against a plain step's 34, and the fourth then
+    decoded its last 58 tokens alone at 75 ms each (Qwen 1.5B, 2-core CPU: auto 0.86x ar); valued as the rows of
+    later plain steps they spare, those tokens saved less than the copies cost. A drafting step's forecast
+    (``Forecast``) is scaled by what steps of its batch size and depth measurably did against theirs: seconds
+    taken per second forecast (transport, planning, a verification dearer than its table) and seconds saved per
+    second of saving forecast (a copy that breaks sooner than its survival said, tokens that land ahead of the
+    others); a plain step's the same way. The step drafts only where the corrected forecast saves at least
+    GUARD_MARGIN more per second. So a strong forecast still drafts where weak ones of the same depth lost (a
+    refactor's long copy beside a summary's shaky ones), and forecasts that do not hold stop drafting. A depth
+    with fewer than GUARD_MIN steps of its own is judged by all drafting steps of its size."""
 
     def __init__(self):
         self._kinds: dict[tuple[int, int], _Held] = {}  # (batch bucket, depth; 0: plain, ANY_DEPTH) -> how they went
@@ -758,23 +784,24 @@ class StepGuard:
         elif drafted is None or drafted.samples < GUARD_MIN or forecast.seconds <= 0 or forecast.plain_seconds <= 0:
             ok = True
         else:
-            tokens = requests + forecast.extra * drafted.yielded
-            drafting = forecast.seconds * drafted.slower / tokens
-            if drafting > forecast.plain_seconds * plain.slower / requests * (1 - GUARD_MARGIN):  # a tie is plain's
+            drafting = forecast.saving * drafted.yielded / (forecast.seconds * drafted.slower)
+            plain_rate = forecast.plain_saving * plain.yielded / (forecast.plain_seconds * plain.slower)
+            if drafting < plain_rate * (1 + GUARD_MARGIN):  # a tie is plain's
                 ok = k % GUARD_EXPLORE == 0
             else:
                 ok = k % GUARD_EXPLORE != 0
         self.overruled += not ok
         return ok
 
-    def observe(self, requests: int, depth: int, seconds: float, tokens: int, forecast: Forecast) -> None:
+    def observe(self, requests: int, depth: int, seconds: float, tokens: int, saved: float,
+                forecast: Forecast) -> None:
         """A whole step (planning, draft, verify, transport) that drafted ``depth`` deep (0: a plain step), forecast
-        as ``forecast``, took ``seconds`` and produced ``tokens``."""
+        as ``forecast``, took ``seconds``, produced ``tokens`` and saved ``saved`` seconds of plain decoding."""
         if tokens <= 0 or seconds <= 0:
             return
         b = guard_bucket(requests)
         for key in ((b, depth), (b, ANY_DEPTH)) if depth else ((b, 0),):
-            self._kinds.setdefault(key, _Held()).observe(seconds, tokens, tokens - requests, forecast)
+            self._kinds.setdefault(key, _Held()).observe(seconds, tokens, saved, forecast)
 
     def summary(self) -> dict[str, float]:
         """Measured milliseconds per output token by batch bucket and kind (for stats and metrics)."""

@@ -378,15 +378,16 @@ def _guard_after(plain_ms: float, drafted_ms: float, requests: int = 4, depth: i
     """A guard that has seen GUARD_MIN plain steps (forecast exactly: one token per request at ``plain_ms`` per
     token) and GUARD_MIN drafting steps ``depth`` deep, forecast at two tokens per request at ``forecast_ms`` per
     token (default: ``drafted_ms``), that took ``drafted_ms`` per forecast token and yielded ``yielded`` of the
-    forecast extra tokens."""
+    forecast extra tokens. Every token saves the same (one unit of plain decoding), as where requests draft alike."""
     from calid.planning import GUARD_MIN, Forecast, StepGuard
 
     g = StepGuard()
     plain_s, forecast_s = plain_ms * requests / 1000, (forecast_ms or drafted_ms) * 2 * requests / 1000
     for _ in range(GUARD_MIN):
-        g.observe(requests, 0, plain_s, requests, Forecast(0, plain_s, plain_s))
-        g.observe(requests, depth, drafted_ms * 2 * requests / 1000, round(requests * (1 + yielded)),
-                  Forecast(requests, forecast_s, plain_s))
+        g.observe(requests, 0, plain_s, requests, requests, Forecast.plain(requests, plain_s))
+        made = round(requests * (1 + yielded))
+        g.observe(requests, depth, drafted_ms * 2 * requests / 1000, made, made,
+                  Forecast(2 * requests, forecast_s, requests, plain_s))
     return g
 
 
@@ -394,7 +395,7 @@ def _forecast(ms_per_token: float, plain_ms: float = 26.0, requests: int = 4):
     """A drafting step forecast at two tokens per request at ``ms_per_token``, beside plain steps at ``plain_ms``."""
     from calid.planning import Forecast
 
-    return Forecast(requests, ms_per_token * 2 * requests / 1000, plain_ms * requests / 1000)
+    return Forecast(2 * requests, ms_per_token * 2 * requests / 1000, requests, plain_ms * requests / 1000)
 
 
 def test_the_guard_runs_steps_plain_where_drafting_forecasts_do_not_hold_and_still_explores():
@@ -453,7 +454,7 @@ def test_short_bets_and_long_copies_are_corrected_apart():
     assert [draft_depth(x) for x in (0.2, 0.99, 1.0, 3.9, 4.0, 20.0)] == [1, 1, 2, 2, 3, 3]
     g = _guard_after(plain_ms=26.0, drafted_ms=20.0, depth=1, yielded=0.0)  # short drafts: nothing accepted
     for _ in range(GUARD_MIN):  # long copies: 8 tokens a request at 13 ms per token, as forecast
-        g.observe(4, 3, 13.0 * 8 * 4 / 1000, 8 * 4, Forecast(7 * 4, 13.0 * 8 * 4 / 1000, 0.104))
+        g.observe(4, 3, 13.0 * 8 * 4 / 1000, 8 * 4, 8 * 4, Forecast(8 * 4, 13.0 * 8 * 4 / 1000, 4, 0.104))
     assert not g.allow(4, 1, _forecast(20.0)) and g.allow(4, 3, _forecast(20.0))
     assert g.summary() == {"plain@4": 26.0, "drafted<1@4": 40.0, "drafted4+@4": 13.0}
 
@@ -462,6 +463,57 @@ def test_a_depth_with_too_few_steps_is_judged_by_every_drafting_step_of_its_size
     g = _guard_after(plain_ms=26.0, drafted_ms=40.0, depth=1, forecast_ms=20.0)  # depth 1 took twice its forecast
     assert not g.allow(4, 2, _forecast(20.0))  # depth 2 unmeasured: 2 x 20 = 40 ms a token
     assert g.allow(4, 2, _forecast(10.0))  # 20 ms a token
+
+
+def test_a_step_saves_what_its_tokens_spare_later_plain_steps():
+    """A token of the request furthest behind spares a whole later step; one of a request ahead of it, its row."""
+    from calid.planning import saved_by
+
+    rows = table({1: 0.075, 2: 0.096, 3: 0.117, 4: 0.138})  # a plain step of k requests: 75 ms + 21 ms a row
+    reqs = [PlanInput(alpha=0.5, cap=4, remaining=96) for _ in range(4)]
+    assert saved_by(reqs, [1, 1, 1, 1], rows) == pytest.approx(0.138)  # a plain step saves itself
+    assert saved_by(reqs, [17, 17, 17, 1], rows) == pytest.approx(0.075 + 3 * 16 * 0.021 + 3 * 0.021)
+    assert saved_by(reqs, [17, 17, 17, 17], rows) == pytest.approx(17 * 0.138)  # all together: whole steps
+    assert saved_by(reqs[:1], [5], rows) == pytest.approx(5 * 0.075)  # one request: its tokens per second
+
+
+def test_the_guard_stops_copies_that_leave_one_request_behind_though_their_tokens_come_cheaper():
+    """Four requests in a burst (Qwen 1.5B, 2-core CPU, in process): three copied far ahead, 30 ms a token
+    against 34.5 in plain steps of four, and the fourth then decoded its last 58 tokens alone at 75 ms each:
+    auto ran 0.87x ar. Judged by tokens per second the copies won; judged by what they spare later plain steps
+    (rows, not steps: the fourth still needs every one of its steps) they lose, and the guard stops them."""
+    from calid.decoding.modes import DecodeParams
+    from calid.generation import GenerationRequest, SamplingParams
+    from calid.orchestrator import Orchestrator
+
+    class Tok:
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    orch = Orchestrator(Tok(), frozenset(), max_position=4096, has_draft=True)
+    for size, secs in ((1, 0.075), (2, 0.096), (3, 0.117), (4, 0.138), (8, 0.140), (16, 0.145), (32, 0.150)):
+        orch.observe_verify(size, secs)  # verifying looks nearly free (a table that undercounts big forwards)
+    for lanes, secs in ((1, 0.002), (4, 0.0025)):
+        orch.observe_draft(lanes, 1, secs)
+    states = []
+    for rid in "abcd":
+        s = orch.start(orch.validate(GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=2000), request_id=rid,
+                                                       decode=DecodeParams(mode="auto", gamma=4))))
+        s.stats.target_calls = 1
+        states.append(s)
+    drafted = []
+    for _ in range(120):
+        tasks = orch.draft_tasks(states)
+        drafting = {t.request_id for t in tasks}
+        for s in states:  # a, b and c take 5 tokens when they draft; d never more than 1
+            n = 5 if s.req.request_id in drafting and s.req.request_id != "d" else 1
+            s.output.extend([9] * n)
+            s.token_ids.extend([9] * n)
+        drafted.append(bool(tasks))
+        orch.observe_step(0.45 if tasks else 0.138)
+    summary = orch.guard.summary()
+    assert summary["drafted4+@4"] < summary["plain@4"]  # 28 ms a token against 34.5: the copies' tokens came cheaper
+    assert sum(drafted[40:]) <= 80 // 12  # past the first measures, only the guard's exploring steps draft
 
 
 def test_the_guard_measures_plain_steps_first_and_judges_each_batch_size_apart():
