@@ -35,6 +35,7 @@ import socket
 import statistics
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -374,8 +375,8 @@ def _say(server: str, mode: str, where: str, outs: list) -> None:
     ok = [o for o in outs if o.error is None]
     tok_s = load.score(outs, load.Slo(float("inf"), float("inf")))["tok_s"]
     print(f"  {server} {mode} {where}: {tok_s:.2f} tok/s, {len(outs) - len(ok)} errors", file=sys.stderr)
-    if outs and not ok:
-        print(f"    first error: {outs[0].error}", file=sys.stderr)
+    for error, n in Counter(o.error for o in outs if o.error is not None).most_common():
+        print(f"    {n} x {error}", file=sys.stderr)
 
 
 def _rows(runs: list, slo_scale: float, limit: float, tokenizer=None) -> tuple[list[dict], object]:

@@ -138,3 +138,18 @@ def test_rows_say_how_much_came_from_drafts_for_calid_and_for_llama_server():
     assert by["llama-server", "plain"]["draft_share"] == 0.0
     assert by["calid", "ar"]["draft_share"] == "-"  # no stats in these answers: not known
     assert by["calid", "ar"]["tpot_ms_p99"] == pytest.approx(100.0)
+
+
+def test_a_point_with_failed_requests_says_why_each_failed(capsys):
+    """A row's error count alone (one llama-server ngram-simple request at c1, 2026-12-03) leaves nothing to
+    look into: the bench prints every distinct error with how often it came."""
+    from serve_app.bench.peers import _say
+
+    ok = Outcome(0.0, 0.5, 2.0, 40)
+    outs = [ok, Outcome(0.0, None, None, 0, error="the stream ended with no tokens"),
+            Outcome(0.0, None, None, 0, error="APIConnectionError: Connection error."),
+            Outcome(0.0, None, None, 0, error="the stream ended with no tokens")]
+    _say("llama-server", "ngram-simple", "c1", outs)
+    err = capsys.readouterr().err
+    assert "3 errors" in err
+    assert "2 x the stream ended with no tokens" in err and "1 x APIConnectionError: Connection error." in err
