@@ -465,6 +465,31 @@ def test_a_depth_with_too_few_steps_is_judged_by_every_drafting_step_of_its_size
     assert g.allow(4, 2, _forecast(10.0))  # 20 ms a token
 
 
+def _auto_requests(verify: dict[int, float], draft: dict[int, float], rids: str, max_new_tokens: int):
+    """An orchestrator with a draft model whose cost tables are ``verify`` (seconds by tokens) and ``draft``
+    (seconds by lanes), and one auto request past its prefill per id in ``rids``: (orchestrator, states)."""
+    from calid.decoding.modes import DecodeParams
+    from calid.generation import GenerationRequest, SamplingParams
+    from calid.orchestrator import Orchestrator
+
+    class Tok:
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    orch = Orchestrator(Tok(), frozenset(), max_position=4096, has_draft=True)
+    for size, secs in verify.items():
+        orch.observe_verify(size, secs)
+    for lanes, secs in draft.items():
+        orch.observe_draft(lanes, 1, secs)
+    states = []
+    for rid in rids:
+        s = orch.start(orch.validate(GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=max_new_tokens),
+                                                       request_id=rid, decode=DecodeParams(mode="auto", gamma=4))))
+        s.stats.target_calls = 1
+        states.append(s)
+    return orch, states
+
+
 def test_a_step_saves_what_its_tokens_spare_later_plain_steps():
     """A token of the request furthest behind spares a whole later step; one of a request ahead of it, its row."""
     from calid.planning import saved_by
@@ -482,25 +507,8 @@ def test_the_guard_stops_copies_that_leave_one_request_behind_though_their_token
     against 34.5 in plain steps of four, and the fourth then decoded its last 58 tokens alone at 75 ms each:
     auto ran 0.87x ar. Judged by tokens per second the copies won; judged by what they spare later plain steps
     (rows, not steps: the fourth still needs every one of its steps) they lose, and the guard stops them."""
-    from calid.decoding.modes import DecodeParams
-    from calid.generation import GenerationRequest, SamplingParams
-    from calid.orchestrator import Orchestrator
-
-    class Tok:
-        def decode(self, ids, **kw):
-            return " ".join(map(str, ids))
-
-    orch = Orchestrator(Tok(), frozenset(), max_position=4096, has_draft=True)
-    for size, secs in ((1, 0.075), (2, 0.096), (3, 0.117), (4, 0.138), (8, 0.140), (16, 0.145), (32, 0.150)):
-        orch.observe_verify(size, secs)  # verifying looks nearly free (a table that undercounts big forwards)
-    for lanes, secs in ((1, 0.002), (4, 0.0025)):
-        orch.observe_draft(lanes, 1, secs)
-    states = []
-    for rid in "abcd":
-        s = orch.start(orch.validate(GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=2000), request_id=rid,
-                                                       decode=DecodeParams(mode="auto", gamma=4))))
-        s.stats.target_calls = 1
-        states.append(s)
+    orch, states = _auto_requests(  # verifying looks nearly free (a table that undercounts big forwards)
+        {1: 0.075, 2: 0.096, 3: 0.117, 4: 0.138, 8: 0.140, 16: 0.145, 32: 0.150}, {1: 0.002, 4: 0.0025}, "abcd", 2000)
     drafted = []
     for _ in range(120):
         tasks = orch.draft_tasks(states)
@@ -529,25 +537,7 @@ def test_the_guard_measures_plain_steps_first_and_judges_each_batch_size_apart()
 
 def test_an_orchestrator_stops_drafting_where_its_steps_measurably_lose():
     """The planner believes verification is nearly free (so it drafts); the steps it times say otherwise."""
-    from calid.decoding.modes import DecodeParams
-    from calid.generation import GenerationRequest, SamplingParams
-    from calid.orchestrator import Orchestrator
-
-    class Tok:
-        def decode(self, ids, **kw):
-            return " ".join(map(str, ids))
-
-    orch = Orchestrator(Tok(), frozenset(), max_position=512, has_draft=True)
-    for size, secs in ((1, 0.020), (64, 0.021)):
-        orch.observe_verify(size, secs)
-    for lanes, secs in ((1, 0.001), (16, 0.0011)):
-        orch.observe_draft(lanes, 1, secs)
-    states = []
-    for rid in "ab":
-        s = orch.start(orch.validate(GenerationRequest([5, 6, 7], SamplingParams(max_new_tokens=500), request_id=rid,
-                                                       decode=DecodeParams(mode="auto", gamma=4))))
-        s.stats.target_calls = 1
-        states.append(s)
+    orch, states = _auto_requests({1: 0.020, 64: 0.021}, {1: 0.001, 16: 0.0011}, "ab", 500)
     drafted_steps = 0
     for step in range(60):
         tasks = orch.draft_tasks(states)
