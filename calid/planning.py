@@ -573,12 +573,6 @@ def step_rate(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draf
     return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced, spread).rate()
 
 
-def step_seconds(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
-                 fixed_tokens: int = 0, sliced: bool = False) -> float:
-    """Expected seconds of a step under ``plan`` (draft catch-up, draft steps and the target's forward)."""
-    return _Step(reqs, verify, draft_step, fixed_tokens, plan, sliced).seconds()
-
-
 def step_saving(plan: list[Choice], reqs: list[PlanInput], verify: CostTable, draft_step: CostTable,
                 fixed_tokens: int = 0, sliced: bool = False) -> tuple[float, float]:
     """(plain decoding seconds a step under ``plan`` is expected to save, the seconds it is expected to take): the
@@ -756,7 +750,7 @@ class StepGuard:
     Steps are measured in the planner's own terms: plain decoding seconds saved (the batch's cost to go before
     the step less after it, saved_by) per second taken. Counting tokens instead let a burst lose: at 4 requests
     three copied 50 tokens each ahead of a fourth, 30 ms per token against a plain step's 34, and the fourth then
-    decoded its last 58 tokens alone at 75 ms each (Qwen 1.5B, 2-core CPU: auto 0.86x ar); valued as the rows of
+    decoded its last 58 tokens alone at 75 ms each (Qwen 1.5B, 2-core CPU: auto 0.87x ar); valued as the rows of
     later plain steps they spare, those tokens saved less than the copies cost. A drafting step's forecast
     (``Forecast``) is scaled by what steps of its batch size and depth measurably did against theirs: seconds
     taken per second forecast (transport, planning, a verification dearer than its table) and seconds saved per

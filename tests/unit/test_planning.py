@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calid.planning import (AR, Acceptance, Choice, CostTable, PlanInput, expected_tokens, guard_bucket, plan_steps,
-                            NO_END, _Problem, _Step, _search, split_cost, step_rate, step_seconds)
+                            NO_END, _Problem, _Step, _search, split_cost, step_rate, step_saving)
 
 
 def table(points: dict[int, float]) -> CostTable:
@@ -173,7 +173,7 @@ def test_the_planner_prices_every_choice_by_slices_as_split_cost_does():
         fixed = rng.randint(0, 3)
         lengths = [r.verified(c) for r, c in zip(reqs, plan)] + [1] * fixed
         want = split_cost(lengths, QWEN_15B)
-        assert step_seconds(plan, reqs, QWEN_15B, CostTable(), fixed, sliced=True) == pytest.approx(want)
+        assert step_saving(plan, reqs, QWEN_15B, CostTable(), fixed, sliced=True)[1] == pytest.approx(want)
         best = plan_steps(reqs, QWEN_15B, CostTable(), fixed, sliced=True)
         got = step_rate(best, reqs, QWEN_15B, CostTable(), fixed, sliced=True)
         assert got >= step_rate([AR] * len(reqs), reqs, QWEN_15B, CostTable(), fixed, sliced=True)
@@ -181,7 +181,7 @@ def test_the_planner_prices_every_choice_by_slices_as_split_cost_does():
     for c in (Choice("ngram", g) for g in range(1, 7)):  # the first request shorter than every other one
         plan = [c] + [Choice("ngram", 4)] * 3
         want = split_cost([1 + c.gamma] + [5] * 3, QWEN_15B)
-        assert step_seconds(plan, lone, QWEN_15B, CostTable(), sliced=True) == pytest.approx(want)
+        assert step_saving(plan, lone, QWEN_15B, CostTable(), sliced=True)[1] == pytest.approx(want)
 
 
 def test_one_long_copy_beside_plain_requests_pays_only_where_it_saves_whole_steps():
@@ -235,7 +235,7 @@ def test_the_planner_values_each_choice_by_the_expected_cost_to_go_of_the_whole_
         each = [_outcomes_of(x, r, c) if n > 1 else [(max(0.0, x - r.tokens(c)), 1.0)]
                 for x, r, c in zip(start, reqs, plan)]
         after = sum(math.prod(p for _, p in joint) * togo([x for x, _ in joint]) for joint in itertools.product(*each))
-        seconds = step_seconds(plan, reqs, CPU_LIKE, CostTable(), fixed)
+        seconds = step_saving(plan, reqs, CPU_LIKE, CostTable(), fixed)[1]
         want = (togo(start) - after) / seconds
         assert step_rate(plan, reqs, CPU_LIKE, CostTable(), fixed) == pytest.approx(want, rel=1e-6, abs=1e-9)
         step = _Step(reqs, CPU_LIKE, CostTable(), fixed, plan)
@@ -318,7 +318,7 @@ def test_tokens_are_worth_the_plain_steps_they_save_in_a_batch_that_shrinks_as_r
     assert plan_steps(last, CPU_LIKE, CostTable())[0].mode == "ngram"
     alone, plan = together[:1], [Choice("ngram", 6)]
     assert step_rate(plan, alone, CPU_LIKE, CostTable()) == pytest.approx(
-        alone[0].tokens(plan[0]) / step_seconds(plan, alone, CPU_LIKE, CostTable()) * CPU_LIKE(1))
+        alone[0].tokens(plan[0]) / step_saving(plan, alone, CPU_LIKE, CostTable())[1] * CPU_LIKE(1))
 
 
 def test_where_the_batch_is_sliced_only_forwards_of_one_slice_are_timed():
