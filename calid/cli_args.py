@@ -20,7 +20,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
-    from calid.decoding.modes import MODES
+    from calid.decoding.modes import FILTER_THRESHOLD, MODES, STOP_THRESHOLD
     from calid.models.presets import DEFAULT_DRAFT
 
     p.add_argument("--mode", default="ar", choices=MODES, help="decoding mode (default ar: target only)")
@@ -29,8 +29,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         f"first N layers (default {DEFAULT_DRAFT})")
     p.add_argument("--gamma", type=int, default=8, help="most draft tokens per target call (default 8)")
     p.add_argument("--threshold", type=float, default=None,
-                   help="draft confidence (top-1 probability) in [0, 1]; default 0.7 for filter, "
-                        "0.4 for speculative/rollback (stop drafting below it)")
+                   help=f"draft confidence (top-1 probability) in [0, 1]; default {FILTER_THRESHOLD:g} for filter "
+                        f"(the default pair's operating point: HumanEval pass@1 within 2 points of ar), "
+                        f"{STOP_THRESHOLD:g} for speculative/rollback (stop drafting below it)")
     p.add_argument("--min-agreement", type=float, default=None,
                    help="filter: a token-agreement budget instead of --threshold: the share of output tokens in (0, 1] "
                         "that must equal the target's top-1 (tokens, not task quality); the threshold follows "
@@ -56,8 +57,7 @@ def decode_params(args):
             raise CalidError("set --threshold or --min-agreement, not both (the budget chooses the threshold)")
         if args.mode == "ar":  # the flag's default: the budget says filter
             args.mode = "filter"
-    threshold = args.threshold if args.threshold is not None else (0.7 if args.mode == "filter" else 0.4)
-    return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
+    return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=args.threshold, rollback_nll=args.rollback_nll,
                         adaptive=args.adaptive, tree_width=args.tree_width,
                         tree_chains=args.tree_chains, min_agreement=budget).validate()
 

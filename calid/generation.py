@@ -150,7 +150,7 @@ class RequestState:
         self.finish_reason: str | None = None
         self.prefilling = False  # the target is part-way through this prompt (chunked prefill)
         self.stats = DecodeStats()
-        self.set_threshold(req.decode.threshold if req.decode else 0.0)
+        self.set_threshold(req.decode.top1 if req.decode else 0.0)
 
     def set_threshold(self, prob: float) -> None:
         self.threshold = prob

@@ -9,6 +9,14 @@ from calid.errors import InvalidRequestError
 
 MODES = ("ar", "filter", "rollback", "speculative", "tree", "lookahead", "auto")
 TREE_MODES = ("tree", "lookahead")
+# speculative, rollback, tree: stop drafting after a token the draft is less sure of (best measured: calid bench
+# decode); lossless, so a speed setting only
+STOP_THRESHOLD = 0.4
+# filter, where neither the request nor the app sets a threshold: the default pair's operating point, the most
+# drafted threshold that kept HumanEval pass@1 within 2 points of ar on all 164 problems (0.634 against 0.652,
+# 87% of tokens drafted; calid bench quality, docs/benchmark-log.md). Lower thresholds draft more and cost
+# quality (0.4: about 10 points). Another pair gets its own from calid bench pareto (AppConfig.filter_threshold).
+FILTER_THRESHOLD = 0.95
 
 
 @dataclass(frozen=True)
@@ -25,11 +33,14 @@ class DecodeParams:
     tree_width    tree: tokens tried at an unconfident position (main + width-1 alternatives)
     tree_chains   tree: draft chains merged by common prefix (SpecInfer); chain j opens with
                   the draft's j-th best first token, all chains drafted in one batched forward
-    threshold     draft confidence as a top-1 probability in [0, 1]:
+    threshold     draft confidence as a top-1 probability in [0, 1]; None: the mode's default
                   filter      accept a draft token when its top-1 probability >= threshold
-                              (0 = draft only, 1 = target for (almost) every token)
+                              (0 = draft only, 1 = target for (almost) every token); default
+                              filter_threshold
                   speculative/rollback: dynamic draft length, stop drafting after a token
-                              whose top-1 probability < threshold (0 = always gamma tokens)
+                              whose top-1 probability < threshold (0 = always gamma tokens);
+                              default STOP_THRESHOLD
+    filter_threshold  filter's threshold where none is set: the app's operating point
     rollback_nll  rollback: roll back past a draft token whose target NLL exceeds this
     adaptive      LLMCad-style self-adaptive threshold: raised after a rejection,
                   lowered after a fully accepted draft
@@ -40,20 +51,30 @@ class DecodeParams:
 
     mode: str = "speculative"
     gamma: int = 8  # verifying 9 tokens costs about what 5 do on CPU (skinny GEMM), so drafts may run long
-    threshold: float = 0.4  # ...and stop early when the draft is unsure (best measured: calid bench decode)
+    threshold: float | None = None  # ...and stop early when the draft is unsure; None: the mode's default
     rollback_nll: float = 2.0
     adaptive: bool = False
     tree_width: int = 3
     tree_chains: int = 1
     min_agreement: float | None = None
+    filter_threshold: float = FILTER_THRESHOLD
+
+    @property
+    def top1(self) -> float:
+        """The threshold in force: the request's, else the mode's default."""
+        if self.threshold is not None:
+            return self.threshold
+        return self.filter_threshold if self.mode == "filter" else STOP_THRESHOLD
 
     def validate(self) -> "DecodeParams":
         if self.mode not in MODES:
             raise InvalidRequestError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if not isinstance(self.gamma, int) or not 1 <= self.gamma <= 64:
             raise InvalidRequestError(f"gamma must be an integer in [1, 64], got {self.gamma!r}")
-        if not (0.0 <= self.threshold <= 1.0):
-            raise InvalidRequestError(f"threshold must be a probability in [0, 1], got {self.threshold!r}")
+        for name in ("threshold", "filter_threshold"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+                raise InvalidRequestError(f"{name} must be a probability in [0, 1], got {value!r}")
         if not isinstance(self.tree_width, int) or not 1 <= self.tree_width <= 16:
             raise InvalidRequestError(f"tree_width must be an integer in [1, 16], got {self.tree_width!r}")
         if not isinstance(self.tree_chains, int) or not 1 <= self.tree_chains <= 8:
@@ -77,4 +98,4 @@ class DecodeParams:
         return self.mode in TREE_MODES
 
     def confidence(self) -> Threshold:
-        return Threshold.from_prob(self.threshold)
+        return Threshold.from_prob(self.top1)

@@ -15,10 +15,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from calid.decoding.modes import MODES
+from calid.decoding.modes import FILTER_THRESHOLD, MODES
 from calid.errors import CalidError
 from calid.models.draft_weights import CHOICES as DRAFT_WEIGHTS
-from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, TEST_MODEL
+from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, FILTER_OPERATING_POINTS, TEST_MODEL
 from calid.models.self_draft import parse_self_draft
 
 
@@ -74,6 +74,7 @@ class ModelSpec(BaseModel):
     target: str
     draft: str | None = None  # a model spec, "self:N", or None: target-only
     default_mode: str | None = None
+    filter_threshold: float | None = Field(None, ge=0, le=1, description="as the app's, for this model's pair")
     slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO")
     slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO")
     target_tp: int | None = Field(None, ge=1, le=64)
@@ -126,6 +127,10 @@ class AppConfig(BaseModel):
                                "(a Q4_0 copy, made once), or auto: the faster of the two on this machine, timed "
                                "once (calid.models.draft_weights)")
     default_mode: str | None = None  # None: speculative with a draft, ar without
+    filter_threshold: float | None = Field(None, ge=0, le=1, description="filter's threshold for requests that set "
+                                           "none (nor min_agreement). None: the pair's operating point where calid "
+                                           "knows it (the default pair: 0.95, HumanEval pass@1 within 2 points of "
+                                           "ar), else 0.95; calid bench pareto measures a pair's")
     agreement_audit_every: int = Field(8, ge=0, description="filter requests without a token-agreement budget whose "
                                        "draft tokens the target compares with its own top-1 as it catches up (one in "
                                        "this many; 0: none): keeps the live agreement estimate "
@@ -269,6 +274,13 @@ class AppConfig(BaseModel):
             if self.draft is None and self.default_mode not in ("ar", "lookahead"):
                 raise ValueError(f"default_mode {self.default_mode!r} needs a draft model; draft is not set")
         return self
+
+    @property
+    def filter_point(self) -> float:
+        """filter's default threshold for this app's pair (filter_threshold's field description)."""
+        if self.filter_threshold is not None:
+            return self.filter_threshold
+        return FILTER_OPERATING_POINTS.get((self.target, self.draft), FILTER_THRESHOLD)
 
     def for_model(self, spec: ModelSpec, cores: list[int] | None = None) -> "AppConfig":
         """The single-model config of one model of a multi-model app: the app's settings, the spec's fields

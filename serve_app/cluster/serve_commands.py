@@ -347,8 +347,6 @@ def _one_line(e: BaseException) -> str:
 
 
 EDGE = "@edge"  # a demo mode with this suffix drafts in the demo's own process (Collaborate)
-DEMO_BUDGET = 0.9  # the demo's filter request: min_agreement (SmolLM2's self:16 draft is overconfident: at the
-# default threshold its filter output was mostly the draft's punctuation)
 DEMO_REQUESTS = [
     ("ar", "Write a Python function that returns the n-th Fibonacci number."),
     ("speculative", "Write a Python function that returns the n-th Fibonacci number."),
@@ -366,9 +364,8 @@ async def _demo_requests(address: str, app: str, max_new_tokens: int, local_draf
     async def one(c, i, label, prompt):
         mode = label.removesuffix(EDGE)
         text, line, stats = [], "", {}
-        # filter states a token-agreement budget rather than a raw threshold: what a user should do (README)
-        budget = {"min_agreement": DEMO_BUDGET} if mode == "filter" else {}
-        async for chunk in c.stream(prompt, mode=mode, max_new_tokens=max_new_tokens, **budget):
+        # filter at the server's default threshold, the pair's operating point: what a user should start from
+        async for chunk in c.stream(prompt, mode=mode, max_new_tokens=max_new_tokens):
             text.append(chunk.text)
             line += chunk.text
             while "\n" in line:
@@ -399,8 +396,8 @@ def cmd_demo(args) -> int:
               + (f", Ray dashboard {url}" if url else ""), flush=True)
         _print_http(cfg, "[demo]", sys.stdout)
         edge = f"; {'speculative' + EDGE} drafts here, with a local {cfg.draft} (Collaborate)" if cfg.draft else ""
-        print(f"[demo] concurrent streams through the SDK, one per mode (filter with a token-agreement budget, "
-              f"min_agreement {DEMO_BUDGET}){edge}:", flush=True)
+        print(f"[demo] concurrent streams through the SDK, one per mode (filter at its default threshold "
+              f"{cfg.filter_point:g}, the pair's operating point){edge}:", flush=True)
         t0 = time.perf_counter()
         results = asyncio.run(_demo_requests(f"127.0.0.1:{cfg.grpc_port}", cfg.app_name, args.max_new_tokens,
                                              cfg.draft))

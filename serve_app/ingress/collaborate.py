@@ -53,7 +53,7 @@ async def collaborate(router, stream, grpc_context):
     req, mode = r.req, r.req.decode.mode
     try:
         opening = pb.CollaborateReply(request_id=r.client_id, round=0, prompt_ids=req.prompt_ids,
-                                      threshold=req.decode.threshold)
+                                      threshold=req.decode.top1)
         if mode == "speculative":  # the target's first token comes at once, as without a draft (TTFT)
             r.round = EdgeRound([])
             router.wake()

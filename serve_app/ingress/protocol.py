@@ -130,6 +130,7 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         mode=mode,
         gamma=msg.gamma if msg.HasField("gamma") else default.gamma,
         threshold=msg.threshold if msg.HasField("threshold") else default.threshold,
+        filter_threshold=default.filter_threshold,
         rollback_nll=msg.rollback_nll if msg.HasField("rollback_nll") else default.rollback_nll,
         min_agreement=budget,
     ).validate()

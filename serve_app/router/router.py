@@ -103,8 +103,8 @@ class Router(GrpcFront):
         self.orch = Orchestrator(self.tokenizer, eos_token_ids(folder, self.tokenizer), self.max_position,
                                  has_draft=draft is not None)
         self.orch.sliced = backend == "llamacpp"
-        if self.cfg.default_mode:
-            self.orch.default_decode = replace(self.orch.default_decode, mode=self.cfg.default_mode)
+        self.orch.default_decode = replace(self.orch.default_decode, mode=self.cfg.default_mode or
+                                           self.orch.default_decode.mode, filter_threshold=self.cfg.filter_point)
         self.orch.audit_every = self.cfg.agreement_audit_every
         try:
             self.orch.agreement, self.agreement_calibration = starting_table(self.cfg.target, self.cfg.draft)

@@ -103,6 +103,7 @@ def test_a_client_that_hangs_up_mid_request_leaves_nothing_behind(small_app):
         call = stub.Collaborate(iter(outbox.get, None), metadata=(("application", "calid"),), timeout=60)
         opening = next(call)
         assert opening.round == 0 and opening.prompt_ids and opening.max_draft == 8
+        assert opening.threshold == pytest.approx(small_app.filter_point)  # the app's filter default
         outbox.put(pb.CollaborateRequest(round=pb.DraftRound(round=1, tokens=[28], confidence=[0.0])))
         assert len(next(call).token_ids) == 1  # the target replaced the unconfident token
         assert not _idle()

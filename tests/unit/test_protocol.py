@@ -35,6 +35,19 @@ def test_defaults_fill_unset_fields():
         DEFAULT.rollback_nll  # unset: the server's default bound
 
 
+def test_a_request_without_a_threshold_gets_its_modes_default():
+    """filter's default is the app's operating point (a high threshold: quality kept); the speculative modes'
+    is where they stop drafting; a threshold the request names wins in every mode."""
+    from calid.decoding.modes import STOP_THRESHOLD
+
+    app = DecodeParams(mode="auto", filter_threshold=0.9)
+    for mode, want in (("filter", 0.9), ("speculative", STOP_THRESHOLD), ("rollback", STOP_THRESHOLD)):
+        decode = protocol.to_request(build_request("hi", mode=mode), _Tok(), app).decode
+        assert decode.top1 == pytest.approx(want), mode
+        assert protocol.to_request(build_request("hi", mode=mode, threshold=0.3), _Tok(), app).decode.top1 == \
+            pytest.approx(0.3)
+
+
 @pytest.mark.parametrize("kw, field", [
     ({"prompt": ""}, "prompt"),
     ({"temperature": -1.0}, "temperature"),

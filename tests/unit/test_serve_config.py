@@ -20,6 +20,7 @@ from serve_app.cluster.config import AppConfig, ConfigError, check_resources, lo
     ({"max_active": 0}, "max_active"),
     ({"target_scaling": {"min_replicas": 3, "max_replicas": 2}}, "max_replicas"),
     ({"no_such_field": 1}, "no_such_field"),
+    ({"filter_threshold": 1.5}, "filter_threshold"),
 ])
 def test_bad_config_is_refused_with_the_field(args, message):
     with pytest.raises(ConfigError, match=message):
@@ -92,6 +93,16 @@ def test_each_model_gets_the_apps_settings_under_its_own():
     assert not big.models and not small.models
     single = AppConfig(target="smollm2-135m-instruct").model_configs  # a single-model app: its served name
     assert list(single) == ["smollm2-135m-instruct"]
+
+
+def test_filters_default_threshold_is_the_pairs_operating_point():
+    from calid.decoding.modes import FILTER_THRESHOLD
+
+    assert AppConfig().filter_point == 0.95  # the default pair's, measured (calid.models.presets)
+    assert AppConfig.small().filter_point == FILTER_THRESHOLD  # a pair never calibrated
+    assert AppConfig.small(filter_threshold=0.7).filter_point == 0.7  # the operator's own
+    cfg = AppConfig(filter_threshold=0.8, models=[MODELS[0], {**MODELS[1], "filter_threshold": 0.6}])
+    assert {name: c.filter_point for name, c in cfg.model_configs.items()} == {"big": 0.8, "small": 0.6}
 
 
 @pytest.mark.parametrize("models, message", [
