@@ -41,7 +41,8 @@ from serve_app.cluster.config import add_topology_arg
 
 COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "rounds_vs_ar", "tpot_ms", "decode_vs_ar",
            "prefill_cap", "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "nonforward_ms",
-           "inproc_nonforward_ms", "inproc_plan_ms", "draft_share", "guard_plain", "same_as_ar", "filter_cap"]
+           "inproc_nonforward_ms", "forward_ms", "inproc_forward_ms", "inproc_plan_ms", "draft_share", "guard_plain",
+           "same_as_ar", "filter_cap"]
 
 
 def add_parser(sub) -> None:
@@ -94,9 +95,13 @@ NOTES = [  # how to read the table's columns (the report adds the decode limit a
     "steps with decoding, so the cap is lower than the truth)",
     "served_vs_inproc: served tokens/s / in-process tokens/s for the same requests (1.0 = serving costs nothing)",
     "serving_ms_per_step: (router step time - workers' forward time) / router steps: transport and router work",
-    "nonforward_ms / inproc_nonforward_ms: a step's time less the models' own forwards (llama_decode; the torch "
-    "model's call), served (router steps) and in process: all that calid adds around the forwards (goal < 1 ms at "
-    "c1); inproc_plan_ms: of which the auto planner's",
+    "nonforward_ms / inproc_nonforward_ms: the steps' time less the models' own forwards (llama_decode; the torch "
+    "model's call), per forward of the target, served (router steps) and in process: all that calid adds around "
+    "a decoding step's forward (goal < 1 ms at c1; a router step that runs several plain steps in the worker is "
+    "one step but several forwards); inproc_plan_ms: of which the auto planner's, per step",
+    "forward_ms / inproc_forward_ms: the models' own forward seconds per forward of the target (a drafting "
+    "mode's draft forwards included), served and in process: the same forwards run slower served where the "
+    "serving processes take cores from llama.cpp's threads",
     "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
     "tokens) / all output tokens",
     "guard_plain: served steps whose plan drafted but that the router's StepGuard ran plain, because the plan's "
@@ -293,14 +298,15 @@ def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_f
     from serve_app.bench.serve import _model_forward_s, _server_times
 
     def served():
-        before, overruled, model_s = _server_times(cfg), _overruled(cfg), _model_forward_s(cfg)
+        before, overruled, (model_s, forwards) = _server_times(cfg), _overruled(cfg), _model_forward_s(cfg)
         t = time.perf_counter()
         out = asyncio.run(_burst(address, cfg.app_name, mode, prompts, new, to_eos))
         seconds = time.perf_counter() - t
         step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
-        model_s = _model_forward_s(cfg) - model_s
+        model_s, forwards = (b - a for a, b in zip((model_s, forwards), _model_forward_s(cfg)))
         return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
-                "nonforward_ms": (step_s - model_s) * 1000 / steps if steps else float("nan"),
+                "nonforward_ms": (step_s - model_s) * 1000 / forwards if forwards else float("nan"),
+                "forward_ms": model_s * 1000 / forwards if forwards else float("nan"),
                 "tpot_ms": statistics.mean(_tpot_ms(r) for r in out),
                 "first_tokens_s": max(float(r.stats.get("ttft_ms", 0.0)) for r in out) / 1000,
                 "guard_plain": _overruled(cfg) - overruled,
@@ -313,14 +319,16 @@ def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_f
         from calid.generation import GenerationRequest, SamplingParams
 
         params = SamplingParams(max_new_tokens=new, ignore_eos=not to_eos)
-        times, model_s = replace(engine.times), engine.forward_s()
+        times, model_s, forwards = replace(engine.times), engine.forward_s(), engine.target.stats.forwards
         t = time.perf_counter()
         out = engine.generate([GenerationRequest(list(i), params, decode=DecodeParams(mode=mode)) for i in ids])
         seconds = time.perf_counter() - t
-        steps = engine.times.steps - times.steps
-        other = engine.times.step_s - times.step_s - (engine.forward_s() - model_s)
+        steps, forwards = engine.times.steps - times.steps, engine.target.stats.forwards - forwards
+        model_s = engine.forward_s() - model_s
+        other = engine.times.step_s - times.step_s - model_s
         return {"inproc_s": seconds, "inproc_tokens": sum(len(r.output_ids) for r in out),
-                "inproc_nonforward_ms": other * 1000 / steps if steps else float("nan"),
+                "inproc_nonforward_ms": other * 1000 / forwards if forwards else float("nan"),
+                "inproc_forward_ms": model_s * 1000 / forwards if forwards else float("nan"),
                 "inproc_plan_ms": (engine.times.plan_s - times.plan_s) * 1000 / steps if steps else float("nan")}
 
     parts = [inproc, served] if inproc_first else [served, inproc]
@@ -371,6 +379,7 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
                "inproc_tok_s": _median_rate(runs, "inproc_tokens", "inproc_s"),
                "serving_ms_per_step": med("serving_ms_per_step"), "nonforward_ms": med("nonforward_ms"),
                "inproc_nonforward_ms": med("inproc_nonforward_ms"), "inproc_plan_ms": med("inproc_plan_ms"),
+               "forward_ms": med("forward_ms"), "inproc_forward_ms": med("inproc_forward_ms"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
                "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"],
