@@ -6,17 +6,17 @@ from dataclasses import dataclass
 
 from calid.decoding.confidence import Threshold
 from calid.errors import InvalidRequestError
+from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, FILTER_OPERATING_POINTS
 
 MODES = ("ar", "filter", "rollback", "speculative", "tree", "lookahead", "auto")
 TREE_MODES = ("tree", "lookahead")
 # speculative, rollback, tree: stop drafting after a token the draft is less sure of (best measured: calid bench
 # decode); lossless, so a speed setting only
 STOP_THRESHOLD = 0.4
-# filter, where neither the request nor the app sets a threshold: the default pair's operating point, the most
-# drafted threshold that kept HumanEval pass@1 within 2 points of ar on all 164 problems (0.634 against 0.652,
-# 87% of tokens drafted; calid bench quality, docs/benchmark-log.md). Lower thresholds draft more and cost
-# quality (0.4: about 10 points). Another pair gets its own from calid bench pareto (AppConfig.filter_threshold).
-FILTER_THRESHOLD = 0.95
+# filter, where neither the request nor the app sets a threshold: the default pair's operating point (measured:
+# calid.models.presets.FILTER_OPERATING_POINTS); lower thresholds draft more and cost quality (0.4: about 10 points
+# of HumanEval pass@1). Another pair gets its own from calid bench pareto (AppConfig.filter_threshold).
+FILTER_THRESHOLD = FILTER_OPERATING_POINTS[DEFAULT_TARGET, DEFAULT_DRAFT]
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 TEST_MODEL = "smollm2-135m-instruct"
 
 # filter's operating point per pair: the most drafted threshold that kept HumanEval pass@1 within 2 points of ar
-# on all 164 problems (calid bench quality, 2026-12: 0.634 against 0.652 at 0.95, 87% of tokens drafted; 0.9 lost
-# 3.6 points). A pair not listed gets calid.decoding.modes.FILTER_THRESHOLD; calid bench pareto finds its own.
+# on all 164 problems (calid bench quality, docs/benchmark-log.md, 2026-12: 0.634 against 0.652 at 0.95 with 87%
+# of tokens drafted; 0.9 lost 3.6 points). A pair not listed gets calid.decoding.modes.FILTER_THRESHOLD (the
+# default pair's); calid bench pareto finds its own (AppConfig.filter_threshold).
 FILTER_OPERATING_POINTS: dict[tuple[str, str], float] = {(DEFAULT_TARGET, DEFAULT_DRAFT): 0.95}

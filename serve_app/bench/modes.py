@@ -99,9 +99,8 @@ NOTES = [  # how to read the table's columns (the report adds the decode limit a
     "model's call), per forward of the target, served (router steps) and in process: all that calid adds around "
     "a decoding step's forward (goal < 1 ms at c1; a router step that runs several plain steps in the worker is "
     "one step but several forwards); inproc_plan_ms: of which the auto planner's, per step",
-    "forward_ms / inproc_forward_ms: the models' own forward seconds per forward of the target (a drafting "
-    "mode's draft forwards included), served and in process: the same forwards run slower served where the "
-    "serving processes take cores from llama.cpp's threads",
+    "forward_ms / inproc_forward_ms: the target's own time per forward (llama_decode), served and in process: "
+    "the same forwards run slower served where the serving processes take cores from llama.cpp's threads",
     "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
     "tokens) / all output tokens",
     "guard_plain: served steps whose plan drafted but that the router's StepGuard ran plain, because the plan's "
@@ -298,15 +297,15 @@ def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_f
     from serve_app.bench.serve import _model_forward_s, _server_times
 
     def served():
-        before, overruled, (model_s, forwards) = _server_times(cfg), _overruled(cfg), _model_forward_s(cfg)
+        before, overruled, models = _server_times(cfg), _overruled(cfg), _model_forward_s(cfg)
         t = time.perf_counter()
         out = asyncio.run(_burst(address, cfg.app_name, mode, prompts, new, to_eos))
         seconds = time.perf_counter() - t
         step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
-        model_s, forwards = (b - a for a, b in zip((model_s, forwards), _model_forward_s(cfg)))
+        model_s, target_s, forwards = (b - a for a, b in zip(models, _model_forward_s(cfg)))
         return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
                 "nonforward_ms": (step_s - model_s) * 1000 / forwards if forwards else float("nan"),
-                "forward_ms": model_s * 1000 / forwards if forwards else float("nan"),
+                "forward_ms": target_s * 1000 / forwards if forwards else float("nan"),
                 "tpot_ms": statistics.mean(_tpot_ms(r) for r in out),
                 "first_tokens_s": max(float(r.stats.get("ttft_ms", 0.0)) for r in out) / 1000,
                 "guard_plain": _overruled(cfg) - overruled,
@@ -319,16 +318,16 @@ def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_f
         from calid.generation import GenerationRequest, SamplingParams
 
         params = SamplingParams(max_new_tokens=new, ignore_eos=not to_eos)
-        times, model_s, forwards = replace(engine.times), engine.forward_s(), engine.target.stats.forwards
+        times, model_s, target = replace(engine.times), engine.forward_s(), replace(engine.target.stats)
         t = time.perf_counter()
         out = engine.generate([GenerationRequest(list(i), params, decode=DecodeParams(mode=mode)) for i in ids])
         seconds = time.perf_counter() - t
-        steps, forwards = engine.times.steps - times.steps, engine.target.stats.forwards - forwards
-        model_s = engine.forward_s() - model_s
-        other = engine.times.step_s - times.step_s - model_s
+        steps, forwards = engine.times.steps - times.steps, engine.target.stats.forwards - target.forwards
+        other = engine.times.step_s - times.step_s - (engine.forward_s() - model_s)
+        target_s = engine.target.stats.forward_s - target.forward_s
         return {"inproc_s": seconds, "inproc_tokens": sum(len(r.output_ids) for r in out),
                 "inproc_nonforward_ms": other * 1000 / forwards if forwards else float("nan"),
-                "inproc_forward_ms": model_s * 1000 / forwards if forwards else float("nan"),
+                "inproc_forward_ms": target_s * 1000 / forwards if forwards else float("nan"),
                 "inproc_plan_ms": (engine.times.plan_s - times.plan_s) * 1000 / steps if steps else float("nan")}
 
     parts = [inproc, served] if inproc_first else [served, inproc]

@@ -47,13 +47,15 @@ def _server_times(cfg) -> tuple[float, int, float]:
     return stats["step_s"], stats["steps"], sum(w["busy_s"] for w in workers.values())
 
 
-def _model_forward_s(cfg) -> tuple[float, int]:
-    """(seconds every worker's model has spent inside its own forwards, the target's forwards) so far
-    (RunnerStats; 0 for a worker that reports none, e.g. a sharded target)."""
+def _model_forward_s(cfg) -> tuple[float, float, int]:
+    """(seconds every worker's model has spent inside its own forwards, the target's of them, the target's
+    forwards) so far (RunnerStats; 0 for a worker that reports none, e.g. a sharded target)."""
     from ray import serve
 
     workers = serve.get_deployment_handle("router", cfg.app_name).worker_stats.remote().result()
-    return sum(w.get("forward_s", 0.0) for w in workers.values()), workers.get("target", {}).get("forwards", 0)
+    target = workers.get("target", {})
+    return (sum(w.get("forward_s", 0.0) for w in workers.values()), target.get("forward_s", 0.0),
+            target.get("forwards", 0))
 
 
 def _serving_ms(cfg, before: tuple[float, int, float], inproc_s: float) -> tuple[float, float]:
