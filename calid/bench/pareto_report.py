@@ -8,6 +8,7 @@ over their wall time; its speed-up: that over ar's at the same c.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,13 @@ def operating_point(rows: list[dict], c: int, task: str = "humaneval") -> dict |
           and r["quality"] >= r["ar_quality_same_items"] - POINTS / 100
           and r["done"].split("/")[0] == r["done"].split("/")[1]]
     return max(ok, key=lambda r: r["filtered_fraction"], default=None)
+
+
+def app_setting(config: str) -> str | None:
+    """The app config line that serves ``config`` as filter's default (AppConfig.filter_threshold): for a filter
+    threshold; None for the others, which a request sets for itself."""
+    m = re.fullmatch(r"filter t=([0-9.]+)", config)
+    return f"filter_threshold: {m.group(1)}" if m else None
 
 
 def plot(rows: list[dict], task: str, path: Path) -> Path:

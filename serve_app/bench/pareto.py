@@ -216,7 +216,7 @@ async def _segment(url: str, cfg, name: str, body: dict, c: int, its: list, resu
 
 def _report(args, folder: Path, cfgs, sweep: list[int], work: list, results: Results) -> int:
     from calid.backends import cpu_summary
-    from calid.bench.pareto_report import POINTS, Segment, operating_point, plot, summarize
+    from calid.bench.pareto_report import POINTS, Segment, app_setting, operating_point, plot, summarize
     from calid.bench.report import write_report
 
     segments = [Segment(s["config"], s["c"], s["run"], s["seconds"], tuple(s["keys"])) for s in results.segments]
@@ -236,10 +236,13 @@ def _report(args, folder: Path, cfgs, sweep: list[int], work: list, results: Res
     for c in reversed(sweep):  # each put first: they read in the sweep's order
         point = operating_point(rows, c)
         if point:
+            setting = app_setting(point["config"])
             notes.insert(0, f"operating point at c={c} (HumanEval pass@1 within {POINTS:g} points of ar, most "
                             f"drafted): {point['config']}: pass@1 {point['quality']:.3f} (ar "
                             f"{point['ar_quality_same_items']:.3f}), {_x(point['speedup_vs_ar'])} ar, filtered "
-                            f"fraction {point['filtered_fraction']:.2f}")
+                            f"fraction {point['filtered_fraction']:.2f}"
+                            + (f"; to make it filter's default for this pair, put `{setting}` in the app config "
+                               f"(calid serve --config app.yaml)" if setting else ""))
     seconds = {(s.config, s.c): s.seconds for s in segments}
     notes.append("segment wall times (s): " + ", ".join(f"{n} c{c} {seconds[n, c]:.0f}" for c in sweep for n in names
                                                          if (n, c) in seconds))

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from calid.bench.pareto_report import Segment, operating_point, plot, summarize
+from calid.bench.pareto_report import Segment, app_setting, operating_point, plot, summarize
 from calid.errors import CalidError
 
 KINDS = {"humaneval/0": "humaneval", "humaneval/1": "humaneval", "math/0": "math", "math/1": "math"}
@@ -62,6 +62,17 @@ def test_the_operating_point_is_the_most_drafted_setting_within_two_points_of_ar
     rows[-1]["done"] = "100/164"  # not every item answered yet: not a point to choose
     assert operating_point(rows, 1)["config"] == "filter t=0.95"
     assert operating_point(rows, 8) is None
+
+
+def test_a_filter_operating_point_becomes_an_app_setting_that_loads():
+    import yaml
+
+    from serve_app.cluster.config import load_config
+
+    setting = app_setting("filter t=0.95")
+    assert setting == "filter_threshold: 0.95"
+    assert load_config(yaml.safe_load(setting)).filter_point == 0.95  # the line, pasted into an app.yaml
+    assert app_setting("rollback nll>2") is None and app_setting("min_agreement 0.98") is None
 
 
 def test_the_chart_is_written(tmp_path):
