@@ -129,8 +129,8 @@ class AppConfig(BaseModel):
     default_mode: str | None = None  # None: speculative with a draft, ar without
     filter_threshold: float | None = Field(None, ge=0, le=1, description="filter's threshold for requests that set "
                                            "none (nor min_agreement). None: the pair's operating point where calid "
-                                           "knows it (the default pair: 0.95, HumanEval pass@1 within 2 points of "
-                                           "ar), else 0.95; calid bench pareto measures a pair's")
+                                           "knows it (the default pair's keeps HumanEval pass@1 within 2 points of "
+                                           f"ar), else {FILTER_THRESHOLD:g}; calid bench pareto measures a pair's")
     agreement_audit_every: int = Field(8, ge=0, description="filter requests without a token-agreement budget whose "
                                        "draft tokens the target compares with its own top-1 as it catches up (one in "
                                        "this many; 0: none): keeps the live agreement estimate "
