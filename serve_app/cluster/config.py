@@ -278,9 +278,17 @@ class AppConfig(BaseModel):
     @property
     def filter_point(self) -> float:
         """filter's default threshold for this app's pair (filter_threshold's field description)."""
+        return self.filter_default[0]
+
+    @property
+    def filter_default(self) -> tuple[float, str]:
+        """filter's default threshold and where it comes from (the demo says)."""
         if self.filter_threshold is not None:
-            return self.filter_threshold
-        return FILTER_OPERATING_POINTS.get((self.target, self.draft), FILTER_THRESHOLD)
+            return self.filter_threshold, "set in the app config"
+        measured = FILTER_OPERATING_POINTS.get((self.target, self.draft))
+        if measured is not None:
+            return measured, "the pair's measured operating point"
+        return FILTER_THRESHOLD, "not calibrated for this pair: calid bench pareto measures one"
 
     def for_model(self, spec: ModelSpec, cores: list[int] | None = None) -> "AppConfig":
         """The single-model config of one model of a multi-model app: the app's settings, the spec's fields

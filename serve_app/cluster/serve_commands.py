@@ -357,17 +357,6 @@ DEMO_REQUESTS = [
 ]
 
 
-def _filter_source(cfg) -> str:
-    """Where filter's default threshold comes from, for the demo's header."""
-    from calid.models.presets import FILTER_OPERATING_POINTS
-
-    if cfg.filter_threshold is not None:
-        return "set in the app config"
-    if (cfg.target, cfg.draft) in FILTER_OPERATING_POINTS:
-        return "the pair's measured operating point"
-    return "not calibrated for this pair: calid bench pareto measures one"
-
-
 async def _demo_requests(address: str, app: str, max_new_tokens: int, local_draft: str | None
                          ) -> list[tuple[str, str, dict]]:
     from calid.client import AsyncClient
@@ -408,7 +397,7 @@ def cmd_demo(args) -> int:
         _print_http(cfg, "[demo]", sys.stdout)
         edge = f"; {'speculative' + EDGE} drafts here, with a local {cfg.draft} (Collaborate)" if cfg.draft else ""
         print(f"[demo] concurrent streams through the SDK, one per mode (filter at its default threshold "
-              f"{cfg.filter_point:g}, {_filter_source(cfg)}){edge}:", flush=True)
+              f"{cfg.filter_point:g}, {cfg.filter_default[1]}){edge}:", flush=True)
         t0 = time.perf_counter()
         results = asyncio.run(_demo_requests(f"127.0.0.1:{cfg.grpc_port}", cfg.app_name, args.max_new_tokens,
                                              cfg.draft))

@@ -97,7 +97,6 @@ def test_each_model_gets_the_apps_settings_under_its_own():
 
 def test_filters_default_threshold_is_the_pairs_operating_point():
     from calid.decoding.modes import FILTER_THRESHOLD
-    from serve_app.cluster.serve_commands import _filter_source
 
     assert AppConfig().filter_point == 0.95  # the default pair's, measured (calid.models.presets)
     assert AppConfig.small().filter_point == FILTER_THRESHOLD  # a pair never calibrated
@@ -105,7 +104,7 @@ def test_filters_default_threshold_is_the_pairs_operating_point():
     cfg = AppConfig(filter_threshold=0.8, models=[MODELS[0], {**MODELS[1], "filter_threshold": 0.6}])
     assert {name: c.filter_point for name, c in cfg.model_configs.items()} == {"big": 0.8, "small": 0.6}
     # the demo's header says which of these it runs at
-    assert [_filter_source(c) for c in (AppConfig(), AppConfig.small(), AppConfig.small(filter_threshold=0.7))] == \
+    assert [c.filter_default[1] for c in (AppConfig(), AppConfig.small(), AppConfig.small(filter_threshold=0.7))] == \
         ["the pair's measured operating point", "not calibrated for this pair: calid bench pareto measures one",
          "set in the app config"]
 
