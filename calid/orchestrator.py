@@ -6,8 +6,9 @@ plain-data calls to model workers (calid.workers.messages):
 
   1. ``draft_tasks``   what each request asks of the draft worker;
   2. ``after_draft``   appends filter drafts that were confident all the way
-                       (early acceptance: no target call) and returns the
-                       verify tasks of every request that needs the target;
+                       (early acceptance: no target call, unless the step
+                       calls the target anyway) and returns the verify tasks
+                       of every request that needs the target;
   3. ``after_verify``  appends what the target accepted and produced.
 A caller with a round trip to its target may first ``lengthen_plain_steps``: a
 step where every request decodes plain runs several tokens in one call.
@@ -127,7 +128,6 @@ class Orchestrator:
         self.audited = [0, 0]  # output tokens of audited requests that agreed with the target's top-1, of counted
         self._budgets: dict[Hashable, BudgetController] = {}
         self._unaudited: dict[Hashable, dict[int, float]] = {}
-        self._held_out: dict[Hashable, tuple[int, float]] = {}
         self._filter_seen = 0
         self._plain: set[Hashable] = set()  # requests this step runs without their draft (plain_step)
 
@@ -186,7 +186,6 @@ class Orchestrator:
         self._draft_seen.pop(request_id, None)
         self._budgets.pop(request_id, None)
         self._unaudited.pop(request_id, None)
-        self._held_out.pop(request_id, None)
 
     # ---- the planner's measurements -------------------------------------------------
 
@@ -357,6 +356,7 @@ class Orchestrator:
                     ) -> tuple[list[StreamEvent], list[VerifyTask]]:
         drafts = {r.request_id: r for r in results}
         events, tasks, now = [], [], time.perf_counter()
+        confident: list[tuple[RequestState, DraftResult]] = []  # filter chains confident all along
         for s in states:
             d = drafts.get(s.req.request_id)
             if d is not None:
@@ -369,15 +369,28 @@ class Orchestrator:
                 continue  # filter waits for its draft's prefill, or the target (the dearer model) would prefill it too
             if d is not None and not d.needs_target and not (  # filter, every draft token confident: early acceptance,
                     s.req.request_id in self._budgets and len(unaudited) >= AUDIT_SPAN):  # unless a budget needs a look
-                events += self._append(s, d.tokens, len(d.tokens), now)
+                confident.append((s, d))
                 continue
-            ngram = self._ngram_step.get(s.req.request_id)
-            tasks.append(VerifyTask(s.req.request_id, s.token_ids, len(s.req.prompt_ids), self.decode_of(s),
-                                    s.req.params.warp, self._draft_budget(s),
-                                    ngram if ngram is not None else d.tokens if d else [],
-                                    d.q if d else None, d.tree if d else None, _rng(s),
-                                    audit_from=min(unaudited) if unaudited else None))
+            tasks.append(self._verify_task(s, d, unaudited))
+        # a step that calls the target anyway verifies the confident chains drafted here too (the target adds a
+        # token after each): catching up now, in lockstep with the others, keeps every sequence's new tokens
+        # equally long, so the forward runs as one slice (one read of the weights) rather than one per length;
+        # an edge client's round (no confidences) keeps its early acceptance
+        for s, d in confident:
+            if tasks and d.probs is not None:
+                tasks.append(self._verify_task(s, d, self._unaudited.get(s.req.request_id)))
+            else:
+                events += self._append(s, d.tokens, len(d.tokens), now)
         return events, tasks
+
+    def _verify_task(self, s: RequestState, d: DraftResult | None, unaudited: dict[int, float] | None
+                     ) -> VerifyTask:
+        ngram = self._ngram_step.get(s.req.request_id)
+        return VerifyTask(s.req.request_id, s.token_ids, len(s.req.prompt_ids), self.decode_of(s),
+                          s.req.params.warp, self._draft_budget(s),
+                          ngram if ngram is not None else d.tokens if d else [],
+                          d.q if d else None, d.tree if d else None, _rng(s),
+                          audit_from=min(unaudited) if unaudited else None, unsure=tuple(d.unsure or ()) if d else ())
 
     def lengthen_plain_steps(self, tasks: list[VerifyTask], budget_s: float) -> int:
         """Where every task of this step is a plain decode step (ar, or auto planned as ar; no draft, past its
@@ -414,14 +427,12 @@ class Orchestrator:
 
     def _pend_audit(self, s: RequestState, d: DraftResult, unaudited: dict[int, float]) -> None:
         """Remember the confidence of each draft token this step appends (or sends to the target), to be
-        compared with the target's top-1 when the target next sees it, and what the draft held back."""
+        compared with the target's top-1 when the target next sees it."""
         if d.tokens and d.probs is None:  # drafted where confidences are not reported (an edge client's round)
             self._unaudited.pop(s.req.request_id, None)
             return
         at = len(s.token_ids)
         unaudited.update((at + i, p) for i, p in enumerate(d.probs or ()))
-        if d.held_out is not None:
-            self._held_out[s.req.request_id] = d.held_out
 
     def after_verify(self, results: list[VerifyResult]) -> list[StreamEvent]:
         events, now = [], time.perf_counter()
@@ -448,28 +459,28 @@ class Orchestrator:
                 self._acceptance[rid].observe(v.accepted, v.proposed)
             self._adapt(s, v.accepted, v.proposed)
             if rid in self._unaudited:
-                self._audit(rid, v)
-            events += self._append(s, v.tokens, v.accepted, now)
+                self._audit(rid, v, len(s.token_ids) + v.accepted)
+            events += self._append(s, v.tokens, v.accepted, now, v.decided)
         return events
 
-    def _audit(self, rid: Hashable, v: VerifyResult) -> None:
+    def _audit(self, rid: Hashable, v: VerifyResult, kept: int) -> None:
         """Fold what the target saw into the agreement table and the request's budget: each audited draft
-        token (its top-1 there was, or was not, that token), the token the draft held back (was it the
-        target's choice?) and the target's own token (it agrees when it is the target's top-1: always, greedy)."""
+        token (its top-1 there was, or was not, that token) and the target's own token (it agrees when it is
+        the target's top-1: always, greedy). Filter's draft tokens from ``kept`` on are not output: the target
+        picked another token there; that one is observed, and those after it (drafted in a context the output
+        does not have) are not."""
         unaudited, budget = self._unaudited[rid], self._budgets.get(rid)
         agreed = counted = 0
         for pos, match in enumerate(v.audit or (), start=v.audit_from):
             prob = unaudited.pop(pos, None)
-            if prob is not None:
+            if prob is not None and pos <= kept:
                 self.agreement.observe(prob, match)
-                agreed, counted = agreed + match, counted + 1
+                if pos < kept:
+                    agreed, counted = agreed + match, counted + 1
         if v.audit is not None:  # what the target did not recompute (it was cached) cannot be audited any more
             for pos in [p for p in unaudited if p < v.audit_from]:
                 del unaudited[pos]
-        held = self._held_out.pop(rid, None)
         if v.top1 is not None:
-            if held is not None:
-                self.agreement.observe(held[1], held[0] == v.top1)
             agreed, counted = agreed + (v.tokens[-1] == v.top1), counted + 1
         self.audited[0] += agreed
         self.audited[1] += counted
@@ -478,11 +489,14 @@ class Orchestrator:
 
     # ---- helpers ----------------------------------------------------------------------
 
-    def _append(self, s: RequestState, new: list[int], from_draft: int, now: float) -> list[StreamEvent]:
-        """Append ``new`` (its first ``from_draft`` tokens came from the draft) until the request finishes."""
+    def _append(self, s: RequestState, new: list[int], from_draft: int, now: float, decided: tuple[int, ...] = ()
+                ) -> list[StreamEvent]:
+        """Append ``new`` (its first ``from_draft`` tokens came from the draft, but for those at ``decided``: filter
+        tokens the target picked) until the request finishes."""
         events = []
         for i, token in enumerate(new):
-            events.append(s.append(token, now, from_draft=i < from_draft, max_position=self.max_position))
+            events.append(s.append(token, now, from_draft=i < from_draft and i not in decided,
+                                   max_position=self.max_position))
             if s.finish_reason:
                 break
         return events

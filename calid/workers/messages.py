@@ -45,12 +45,12 @@ class DraftResult:
     request_id: Hashable
     tokens: list[int]  # the draft chain (empty for a tree)
     q: torch.Tensor | None  # [len(tokens), V] warped draft rows; None when greedy (one-hot)
-    needs_target: bool  # filter: False when every draft token was confident (early acceptance)
+    needs_target: bool  # filter: False when every draft token was confident (early acceptance, unless others verify)
     tree: TokenTree | None = None  # tree mode
     forwards: int = 0  # draft forwards this request took part in
     rng: torch.Tensor | None = None
     probs: list[float] | None = None  # chain modes: the draft's top-1 probability at each of ``tokens``
-    held_out: tuple[int, float] | None = None  # filter: the draft's top-1 (and its probability) it was unsure of
+    unsure: list[int] | None = None  # filter: indices of ``tokens`` the draft was unsure of (the target decides)
     catching_up: bool = False  # the draft only fed (or queued) part of the sequence this step: no draft yet
 
 
@@ -68,6 +68,9 @@ class VerifyTask:
     rng: torch.Tensor | None = None
     ids_from: int = 0  # as DraftTask.ids_from
     audit_from: int | None = None  # filter: compare the target's top-1 with each id from this position on
+    # filter: indices of ``draft`` the target decides (its token there; where it differs from the draft's, the draft
+    # tokens after it are dropped). After the last draft token the target adds one of its own
+    unsure: tuple[int, ...] = ()
     # a run of plain steps (ar, no draft): the target feeds each token it picks and picks the next, up to ``steps``
     # tokens or one of ``stop_ids``, in one call (calid.orchestrator.Orchestrator.lengthen_plain_steps)
     steps: int = 1
@@ -80,12 +83,13 @@ class VerifyResult:
     tokens: list[int]  # accepted draft tokens, then the target's next token
     accepted: int  # how many of ``tokens`` came from the draft
     proposed: int  # draft tokens offered (chain length, or tree depth)
-    verifying: bool  # the target judged draft tokens (False for filter / ar)
+    verifying: bool  # the target judged draft tokens (False for ar, and for filter with no unsure token)
     rng: torch.Tensor | None = None
     top1: int | None = None  # chain modes: the target's top-1 where it chose its next token
     audit_from: int = 0  # the position of audit[0]
     audit: list[bool] | None = None  # per id from audit_from on (committed, then draft): it is the target's top-1
     forwards: int = 1  # target forwards it took (a run of plain steps takes one per token)
+    decided: tuple[int, ...] = ()  # filter: indices of accepted draft tokens the target decided (it picked the same)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Each task's committed ids are synced against its KV cache (longest common
 prefix reused, the rest recomputed), then its draft is fed after them:
   chain   the draft tokens, causal; logits at every draft position and one after
-          (speculative, rollback) or only after the last one (filter, ar);
+          (speculative, rollback), before each token the draft was unsure of and
+          after the last (filter), or only after the last (ar);
   tree    the tree's nodes under its ancestor mask at tree positions; the cache
           is compacted to the accepted branch afterwards, so it stays a sequence.
 A runner that holds a bounded number of sequences (llama.cpp: one slot per
@@ -25,7 +26,7 @@ import torch
 from calid.decoding.acceptance import RuleInput, get_rule
 from calid.decoding.grammar import GrammarMasks, constrain
 from calid.decoding.lookahead import LookaheadConfig, LookaheadTrie
-from calid.decoding.sampling import argmax_rows, warp
+from calid.decoding.sampling import argmax_rows, sample, warp
 from calid.decoding.tree import TokenTree, verify_greedy, verify_sampled, verify_stochastic
 from calid.runtime.runner import ModelRunner, SeqInput
 from calid.runtime.twins import twin_key
@@ -246,24 +247,23 @@ class TargetWorker:
         n = len(suffix)
         if t.decode.mode in ("speculative", "rollback"):
             return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)))
-        rows = [n - 1]
-        if t.audit_from is not None and t.decode.mode == "filter":  # the rows before each id from audit_from on
-            start = len(committed) + g - n  # the position of suffix[0]
-            rows = list(range(max(t.audit_from, start + 1) - 1 - start, n - 1)) + rows
-        return SeqInput(t.request_id, suffix, logits_at=rows)
+        start = len(committed) + g - n  # the position of suffix[0]
+        if t.decode.mode != "filter":
+            return SeqInput(t.request_id, suffix, logits_at=[n - 1])
+        rows = {len(committed) - 1 + i for i in t.unsure} | {start + n - 1}  # before each unsure token, after the last
+        if t.audit_from is not None:  # and before each id from audit_from on (those the cache does not hold)
+            rows.update(range(max(t.audit_from, start + 1) - 1, start + n - 1))
+        return SeqInput(t.request_id, suffix, logits_at=[p - start for p in sorted(rows)])
 
     def _chain_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
+        if t.decode.mode == "filter":
+            return self._filter_verdict(t, rows)
         verifying = t.decode.mode in ("speculative", "rollback")
-        audit, end = None, len(t.token_ids) + len(t.draft)
+        end = len(t.token_ids) + len(t.draft)
         if t.warp.grammar is not None:
-            rows = constrain(self.grammar, rows, _chain_entries(t, len(rows)))
-        if not verifying and len(rows) > 1:  # filter audit rows: does each id equal the target's top-1?
-            ids = (t.token_ids + t.draft)[end - len(rows) + 1:]
-            audit = [a == b for a, b in zip(argmax_rows(rows[:-1]), ids)]
-            rows = rows[-1:]
-        audit_from = end - len(audit or ())
+            rows = constrain(self.grammar, rows, _chain_entries(t, range(end - len(rows), end)))
         if t.warp.greedy and t.q is None and t.decode.mode != "rollback":
-            return self._greedy_verdict(t, rows, verifying, audit_from, audit)
+            return self._greedy_verdict(t, rows, verifying)
         generator = load_generator(t.rng, rows.device)
         draft = torch.tensor(t.draft, dtype=torch.long, device=rows.device)
         target_nll = None
@@ -283,26 +283,63 @@ class TargetWorker:
             verifying,
             save_generator(generator),
             top1=int(rows[v.accepted if verifying else -1].argmax()),
-            audit_from=audit_from,
-            audit=audit,
+            audit_from=end,
         )
 
+    def _filter_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
+        """Filter (CALID, lossy): the draft's confident tokens stand; at each unsure one the target picks (its
+        argmax, or a draw from its warped row), and where it picks another token than the draft's, that token
+        ends the chain (the draft tokens after it were drafted from the wrong one). A chain the target agreed
+        with all along gets the target's token after its last. Step by step, filter would have gone the same
+        way: the target's token at each unsure position, then the draft on from there. Audited requests also
+        get each id compared with the target's top-1 (``_chain_input`` asked for every row from audit_from)."""
+        committed, end = len(t.token_ids), len(t.token_ids) + len(t.draft)
+        if t.audit_from is not None:  # the rows are contiguous: every id from audit_from (or the cache's end) on
+            positions = list(range(end - len(rows), end))
+        else:
+            positions = [committed - 1 + i for i in t.unsure] + [end - 1]
+        if t.warp.grammar is not None:
+            rows = constrain(self.grammar, rows, _chain_entries(t, positions))
+        audit, audit_from = None, end
+        if t.audit_from is not None and len(rows) > 1:  # does each id equal the target's top-1 before it?
+            ids = t.token_ids + t.draft
+            audit = [a == ids[p + 1] for a, p in zip(argmax_rows(rows[:-1]), positions)]
+            audit_from = positions[0] + 1
+        row_at = {p: j for j, p in enumerate(positions)}
+        generator = None if t.warp.greedy else load_generator(t.rng, rows.device)
+
+        def pick(row: torch.Tensor) -> int:
+            return int(row.argmax()) if generator is None else int(sample(warp(row[None], t.warp), generator)[0])
+
+        accepted, row = len(t.draft), rows[-1]
+        for i in t.unsure:
+            row = rows[row_at[committed - 1 + i]]
+            token = pick(row)
+            if token != t.draft[i]:
+                accepted = i
+                break
+        else:
+            row = rows[-1]
+            token = pick(row)
+        return VerifyResult(t.request_id, t.draft[:accepted] + [token], accepted, len(t.draft), bool(t.unsure),
+                            save_generator(generator) if generator is not None else t.rng, top1=int(row.argmax()),
+                            audit_from=audit_from, audit=audit, decided=tuple(i for i in t.unsure if i < accepted))
+
     @staticmethod
-    def _greedy_verdict(t: VerifyTask, rows: torch.Tensor, verifying: bool, audit_from: int,
-                        audit: list[bool] | None) -> VerifyResult:
-        """A greedy chain (ar, filter, speculative with a greedy draft) decided by the target's argmax at each row,
-        with no [rows, V] distribution: the acceptance rules' one-hot arithmetic comes to exactly this. Filter and
-        ar keep every draft token and add the argmax after the last; speculative accepts while a draft token is
-        the argmax before it (p(x) = 1 under a one-hot target, 0 otherwise) and adds the argmax where it stopped
-        (the residual max(0, p - q) of two one-hot rows is the target's one-hot row). Nothing is drawn, so the
-        request's generator state passes through unchanged."""
+    def _greedy_verdict(t: VerifyTask, rows: torch.Tensor, verifying: bool) -> VerifyResult:
+        """A greedy chain (ar, speculative with a greedy draft) decided by the target's argmax at each row,
+        with no [rows, V] distribution: the acceptance rules' one-hot arithmetic comes to exactly this. ar adds
+        the argmax; speculative accepts while a draft token is the argmax before it (p(x) = 1 under a one-hot
+        target, 0 otherwise) and adds the argmax where it stopped (the residual max(0, p - q) of two one-hot rows
+        is the target's one-hot row). Nothing is drawn, so the request's generator state passes through
+        unchanged."""
         top = argmax_rows(rows)  # [g + 1] with verifying, else [1]
         accepted = len(t.draft)
         if verifying:
             accepted = next((i for i, (d, a) in enumerate(zip(t.draft, top)) if d != a), len(t.draft))
         token = top[accepted if verifying else -1]
         return VerifyResult(t.request_id, t.draft[:accepted] + [token], accepted, len(t.draft), verifying, t.rng,
-                            top1=token, audit_from=audit_from, audit=audit)
+                            top1=token, audit_from=len(t.token_ids) + len(t.draft))
 
     def _tree_input(self, t: VerifyTask, tree: TokenTree) -> SeqInput:
         committed = t.token_ids
@@ -330,13 +367,12 @@ class TargetWorker:
         return VerifyResult(t.request_id, tokens, len(verdict.path), tree.max_depth, True, save_generator(generator))
 
 
-def _chain_entries(t: VerifyTask, n: int) -> list:
-    """What ``constrain`` needs for a chain's ``n`` logits rows: row j comes after the first len(ids) - n + 1 + j
-    of its ids (committed, then draft; rows before the prompt's end, none)."""
+def _chain_entries(t: VerifyTask, positions) -> list:
+    """What ``constrain`` needs for a chain's logits rows at ``positions``: the row at p comes after its first
+    p + 1 ids (committed, then draft; rows before the prompt's end, none)."""
     ids = t.token_ids + t.draft
-    first = len(ids) - n + 1
-    return [grammar_entry(replace(t, token_ids=ids[: first + j]), []) if first + j >= t.prompt_len else None
-            for j in range(n)]
+    return [grammar_entry(replace(t, token_ids=ids[: p + 1]), []) if p + 1 >= t.prompt_len else None
+            for p in positions]
 
 
 def _runs_on(t: VerifyTask, r: VerifyResult) -> bool:

@@ -62,6 +62,32 @@ def test_filter_extremes(smol, prompts, target_greedy):
     assert all(r.stats.filtered_fraction == 0.0 for r in one)
 
 
+def test_filter_decides_each_unsure_token_by_the_target_and_several_per_target_call(smol, prompts):
+    """Filter drafts on past a token it is unsure of; the target's call decides every such token of the chain.
+    Checked against both models run over the whole output at once (near-ties between the two numerics skipped)."""
+    from calid.runtime.runner import SeqInput
+
+    threshold, layers = 0.9, 24  # a deep self-draft: most of its unsure tokens are above STOP_THRESHOLD
+    res = run(smol, prompts, DecodeParams(mode="filter", threshold=threshold, gamma=8), draft_layers=layers)
+    target, draft = ModelRunner(smol.model), ModelRunner(self_draft(smol.model, layers))
+    unsure = checked = 0
+    for k, (r, p) in enumerate(zip(res, prompts)):
+        prompt = encode_prompt(smol.tokenizer, p)
+        ids, n = prompt + r.output_ids, len(r.output_ids)
+        rows = [m.forward([SeqInput(("check", k), ids, logits_at=list(range(len(prompt) - 1, len(ids) - 1)))])[0]
+                .float().softmax(-1) for m in (target, draft)]
+        for i, token in enumerate(r.output_ids):
+            t2, d1 = rows[0][i].topk(2), rows[1][i].max()
+            if abs(float(d1) - threshold) < 1e-3 or float(t2.values[0] - t2.values[1]) < 1e-3:
+                continue
+            if float(d1) < threshold:
+                unsure += 1
+                checked += token == int(t2.indices[0])
+        assert n == N or r.output_ids[-1] in smol.eos_ids
+    assert unsure > 5 and checked == unsure, (unsure, checked)
+    assert sum(r.stats.target_calls for r in res) < unsure + len(res)  # one call decided several (prefills: 1 each)
+
+
 def test_rollback_zero_tolerance_is_target_and_lenient_is_mixed(smol, prompts, target_greedy):
     strict = run(smol, prompts, DecodeParams(mode="rollback", gamma=4, threshold=0.0, rollback_nll=0.0))
     assert [r.output_ids for r in strict] == target_greedy

@@ -1,4 +1,5 @@
-"""min_agreement: the agreement table, the threshold it picks, and the online estimate on a scripted pair."""
+"""min_agreement: the agreement table, the threshold it picks, and the online estimate on a scripted pair; and on
+the same pair, filter's chains that draft on past their unsure tokens."""
 from __future__ import annotations
 
 import hashlib
@@ -221,3 +222,62 @@ def test_auditing_a_filter_request_observes_it_without_changing_its_output():
     assert [r.stats.target_calls for r in audited] == [r.stats.target_calls for r in plain]
     agreed, counted = eng.orchestrator.audited
     assert counted > 100 and 0.3 < agreed / counted < 1.0
+
+
+# ---- filter's chain past unsure tokens, on the same scripted pair ------------------------------------------------
+
+def _draft_view(ids: list[int]) -> tuple[float, int]:
+    """The scripted draft's top-1 probability and top-1 after ``ids``."""
+    row = ScriptedRunner(True).row(ids)
+    return float(torch.softmax(row, -1).max()), int(row.argmax())
+
+
+def test_a_filter_chain_drafts_on_past_its_unsure_tokens_to_its_budget():
+    """...or to the first token the draft is less sure of than STOP_THRESHOLD (0.4; the 0.375 level here)."""
+    from calid.decoding.confidence import Threshold
+    from calid.decoding.sampling import Warp
+    from calid.workers.draft import DraftWorker
+    from calid.workers.messages import DraftTask
+
+    worker = DraftWorker(ScriptedRunner(True), frozenset())
+    rng = random.Random(6)
+    prompts = [[rng.randrange(V) for _ in range(5)] for _ in range(12)]
+    results = worker.draft([DraftTask(i, p, DecodeParams(mode="filter", gamma=8, threshold=0.7), Warp(),
+                                      Threshold.from_prob(0.7).nll, budget=8) for i, p in enumerate(prompts)])
+    went_on = 0
+    for d, prompt in zip(results, prompts):
+        ids, unsure = list(prompt), []
+        for i, token in enumerate(d.tokens):
+            prob, top = _draft_view(ids)
+            assert token == top and d.probs[i] == pytest.approx(prob)
+            unsure += [i] if prob < 0.7 else []
+            assert prob >= 0.4 or i == len(d.tokens) - 1  # only the last may be below the stop
+            ids.append(token)
+        assert len(d.tokens) == 8 or d.probs[-1] < 0.4
+        assert d.unsure == unsure and d.needs_target == bool(unsure) and d.forwards == len(d.tokens)
+        went_on += bool(unsure) and unsure[0] < len(d.tokens) - 1
+    assert went_on >= 3  # chains that drafted on after an unsure token
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_filter_keeps_the_targets_token_wherever_the_draft_was_unsure(max_batch):
+    """Each output token is the target's top-1 where the draft was unsure, and the draft's or the target's top-1
+    where it was sure; one target call decides several unsure tokens (the chain went on past the first)."""
+    eng = Engine(ScriptedRunner(False), Tok(), frozenset(), draft=ScriptedRunner(True), max_batch=max_batch)
+    reqs = _requests(16, None, seed=5, threshold=0.7)
+    results = eng.generate(reqs)
+    target = ScriptedRunner(False)
+    unsure = kept_lossy = 0
+    for r, req in zip(results, reqs):
+        ids = list(req.prompt_ids)
+        for token in r.output_ids:
+            prob, top = _draft_view(ids)
+            if prob < 0.7:
+                assert token == target.target_token(ids)
+                unsure += 1
+            else:
+                assert token in (top, target.target_token(ids))
+                kept_lossy += token == top != target.target_token(ids)
+            ids.append(token)
+    assert kept_lossy > 0  # filter is lossy: a sure draft token stands though the target would differ
+    assert sum(r.stats.target_calls for r in results) < unsure

@@ -38,7 +38,8 @@ def test_greedy_verdicts_equal_the_rules_on_one_hot_rows():
                 continue
             verifying = mode == "speculative"
             task = VerifyTask("r", [5, 6, 7], 3, DecodeParams(mode=mode), GREEDY, 0, draft)
-            got = TargetWorker._greedy_verdict(task, rows if verifying else rows[-1:], verifying, 0, None)
+            got = (TargetWorker._greedy_verdict(task, rows if verifying else rows[-1:], verifying) if mode != "filter"
+                   else TargetWorker(None)._filter_verdict(task, rows[-1:]))
             tokens, accepted = _rule_verdict(mode, rows if verifying else rows[-1:], draft)
             assert (got.tokens, got.accepted, got.top1) == (tokens, accepted, tokens[-1]), (mode, g, cut)
             if verifying:
@@ -60,3 +61,23 @@ def test_top1_nll_is_the_log_softmax_of_the_argmax():
     logp = torch.log_softmax(logits, -1)
     assert token.tolist() == logits.argmax(-1).tolist()
     assert torch.allclose(nll, -logp.gather(1, token[:, None]).squeeze(1), atol=1e-5)
+
+
+def test_filter_decides_its_unsure_tokens_and_cuts_the_chain_where_the_target_differs():
+    gen = torch.Generator().manual_seed(2)
+    worker = TargetWorker(None)
+    committed = [5, 6, 7]
+    for trial in range(200):
+        g = 1 + trial % 7
+        rows = torch.randn(g + 1, V, generator=gen)  # the target's row before each draft token, and after the last
+        top = rows.argmax(-1).tolist()
+        draft = [(t + 1) % V if torch.rand(1, generator=gen) < 0.5 else t for t in top[:g]]  # about half agree
+        unsure = sorted({int(i) for i in torch.randint(0, g, (2,), generator=gen)})
+        task = VerifyTask("r", committed, 3, DecodeParams(mode="filter"), GREEDY, 0, draft, unsure=tuple(unsure))
+        got = worker._filter_verdict(task, rows[[*unsure, g]])  # the rows the worker asks llama.cpp for
+        cut = next((i for i in unsure if draft[i] != top[i]), None)
+        if cut is None:  # the target agreed at every unsure token: the whole chain, then its token after it
+            assert (got.tokens, got.accepted) == ([*draft, top[g]], g)
+        else:  # sure tokens stand whatever the target says; the first unsure one it differs at is its own
+            assert (got.tokens, got.accepted) == ([*draft[:cut], top[cut]], cut)
+        assert got.decided == tuple(i for i in unsure if i < got.accepted) and got.proposed == g

@@ -87,3 +87,20 @@ def test_a_step_with_nothing_to_verify_asks_for_no_target_call():
     calls, _ = _drive(orch, states, lambda tasks: [DraftResult("a", [11], None, needs_target=False, forwards=1)],
                       _accept_all)
     assert [type(c).__name__ for c in calls] == ["DraftCall", "Deliver"]
+
+
+def test_a_confident_filter_chain_is_verified_beside_a_step_that_calls_the_target_anyway():
+    """Lockstep: its catch-up then runs in the same forward as the others' (equal lengths: one slice); alone, or
+    drafted by an edge client (no confidences), it is accepted early."""
+    orch = Orchestrator(_Tokenizer(), frozenset({EOS}), max_position=256, has_draft=True)
+    states = [_start(orch, "sure", "filter"), _start(orch, "unsure", "filter"), _start(orch, "edge", "filter")]
+    drafts = {"sure": DraftResult("sure", [11, 12], None, False, forwards=2, probs=[0.99, 0.98], unsure=[]),
+              "unsure": DraftResult("unsure", [21, 22], None, True, forwards=2, probs=[0.5, 0.99], unsure=[0])}
+    own = [DraftResult("edge", [31, 32], None, needs_target=False)]
+    calls, _ = _drive(orch, states, lambda tasks: [drafts[t.request_id] for t in tasks], _accept_all, own)
+    verify = next(c for c in calls if isinstance(c, VerifyCall))
+    assert {t.request_id: (t.draft, t.unsure) for t in verify.tasks} == {"unsure": ([21, 22], (0,)),
+                                                                        "sure": ([11, 12], ())}
+    assert [s.output for s in states] == [[9, 11, 12, 4], [9, 21, 22, 4], [9, 31, 32]]
+    alone, _ = _drive(orch, states[:1], lambda tasks: [drafts["sure"]], _accept_all)
+    assert not any(isinstance(c, VerifyCall) for c in alone) and states[0].output[-2:] == [11, 12]
