@@ -107,9 +107,9 @@ NOTES = [  # how to read the table's columns (the report adds the decode limit a
     "forecast, corrected by how forecasts of its size and depth held, did not beat a plain step's "
     "(calid.planning.StepGuard)",
     "same_as_ar: greedy outputs identical to ar's token for token (lossless modes must match)",
-    "filter_cap: ar's cost per token at this batch / the draft's, timed on the in-process runners: the most "
-    "filter can gain in decoding here, if the draft made every token and the target were never asked "
-    "(calid.calibration.filter_cap)",
+    "filter_cap: ar's cost per token at this batch / (the draft's + the target's catching up on gamma (8) tokens a "
+    "sequence), timed on the in-process runners: the most filter can gain in decoding here, if the draft made "
+    "every token and the target only read them into its cache (calid.calibration.filter_cap)",
     "verification cap: max over forward sizes k of k x cost(1) / cost(k), timed in process: what lossless "
     "drafting could gain at one request if every draft token were accepted and drafts cost nothing "
     "(calid.calibration.verification_cap); under load, less",

@@ -312,12 +312,13 @@ def test_filter_waits_for_its_draft_to_prefill_a_long_prompt_instead_of_having_t
     assert lossless.stats.target_calls > 0 and eng.target.stats.tokens >= len(long_prompt)
 
 
-def test_filter_cap_is_the_target_step_over_the_draft_step_and_leaves_no_sequences(tiny_model):
+def test_filter_cap_is_the_target_step_over_the_draft_step_and_the_catch_up_and_leaves_no_sequences(tiny_model):
     from calid.calibration import filter_cap
 
     target, draft = ModelRunner(tiny_model), ModelRunner(self_draft(tiny_model, 1))
-    cap = filter_cap(target, draft, batch=3)
-    assert cap["ar_s"] > 0 and cap["draft_s"] > 0 and cap["cap"] == pytest.approx(cap["ar_s"] / cap["draft_s"])
+    cap = filter_cap(target, draft, batch=3, gamma=4)
+    assert cap["ar_s"] > 0 and cap["draft_s"] > 0 and cap["catch_up_s"] > 0
+    assert cap["cap"] == pytest.approx(cap["ar_s"] / (cap["draft_s"] + cap["catch_up_s"]))
     assert target.cached_count() == 0 and draft.cached_count() == 0
 
 
