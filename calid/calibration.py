@@ -79,7 +79,8 @@ def filter_cap(target, draft, batch: int, gamma: int = DecodeParams.gamma, repea
     At best the draft makes every token and the target only catches up: it still reads each token into its
     cache, in one forward of ``gamma`` tokens per sequence per draft chain. So per output token filter costs at
     least the draft's step / batch plus that forward / (batch x gamma), where ar costs the target's step / batch.
-    Returns those per-token costs (seconds) and ``cap`` = ar / (draft + catch-up). On a CPU where a forward of
+    Returns those per-token costs (seconds) and ``cap`` = ar / (draft + catch-up): an estimate, since at one
+    request early-accepted chains pile up into longer catch-ups, cheaper a token. On a CPU where a forward of
     batch x gamma tokens is compute-bound the catch-up is most of the cap (2-core Xeon, Qwen pair, 4 sequences:
     draft 11 ms, catch-up 14 ms, ar 34 ms a token)."""
     seqs = [("__filter_cap__", i) for i in range(batch)]

@@ -76,6 +76,7 @@ TEST_MODEL = "smollm2-135m-instruct"
 
 # filter's operating point per pair: the most drafted threshold that kept HumanEval pass@1 within 2 points of ar
 # on all 164 problems (calid bench quality, docs/benchmark-log.md, 2026-12: 0.634 against 0.652 at 0.95 with 87%
-# of tokens drafted; 0.9 lost 3.6 points). A pair not listed gets calid.decoding.modes.FILTER_THRESHOLD (the
+# of tokens drafted; 0.9 lost 3.6 points; since filter's chains run past unsure tokens, 0.634 again at 0.95 with
+# 77% drafted, 2026-12-04). A pair not listed gets calid.decoding.modes.FILTER_THRESHOLD (the
 # default pair's); calid bench pareto finds its own (AppConfig.filter_threshold).
 FILTER_OPERATING_POINTS: dict[tuple[str, str], float] = {(DEFAULT_TARGET, DEFAULT_DRAFT): 0.95}
