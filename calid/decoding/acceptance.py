@@ -11,8 +11,10 @@ Every rule returns ``Verdict(accepted, next_token)``: the caller appends
 ``draft[:accepted] + [next_token]``. Temperature, top-k and top-p must be
 applied identically to p and q (``sampling.warp``) before a rule sees them.
 
-filter      (CALID Alg. 2, lossy)  drafts arrive already filtered by confidence;
-            all are accepted and the target supplies the next token.
+filter      (CALID Alg. 2, lossy)  the draft tokens are accepted and the target supplies
+            the next token: a chain the draft was sure of all along, and ar (no draft).
+            Chains with unsure tokens are decided by the target worker
+            (calid.workers.target: the target picks each unsure token).
 rollback    (BiLD, lossy)          accept up to the first draft token whose target
             NLL (plain softmax, before warping) exceeds the rollback threshold;
             the target replaces it with a token drawn from its warped p.

@@ -251,8 +251,9 @@ class TargetWorker:
         if t.decode.mode != "filter":
             return SeqInput(t.request_id, suffix, logits_at=[n - 1])
         rows = {len(committed) - 1 + i for i in t.unsure} | {start + n - 1}  # before each unsure token, after the last
-        if t.audit_from is not None:  # and before each id from audit_from on (those the cache does not hold)
-            rows.update(range(max(t.audit_from, start + 1) - 1, start + n - 1))
+        if t.audit_from is not None:  # and every row from audit_from on (what the cache does not hold), in one run
+            first = min(max(t.audit_from, start + 1) - 1, *rows)  # to the end: the verdict counts positions back
+            rows = set(range(first, start + n))
         return SeqInput(t.request_id, suffix, logits_at=[p - start for p in sorted(rows)])
 
     def _chain_verdict(self, t: VerifyTask, rows: torch.Tensor) -> VerifyResult:
