@@ -259,7 +259,7 @@ class AsyncClient:
             call = self._stub.Collaborate(**self._call_args(timeout, msg.request_id))
             started = False
             try:
-                await call.write(session.opening())
+                await _write(call, session.opening())
                 while (reply := await call.read()) is not grpc.aio.EOF:
                     started = True
                     chunk = _edge_chunk(reply)
@@ -268,7 +268,7 @@ class AsyncClient:
                     following = await loop.run_in_executor(None, session.advance, reply)
                     if following is None:
                         return
-                    await call.write(following)
+                    await _write(call, following)
                 raise _ended_early(msg.request_id)
             except grpc.RpcError as e:
                 await asyncio.sleep(self._backoff(e, attempt, msg.request_id, started))
@@ -366,3 +366,17 @@ class Client:
 
 async def _open_async(address: str, kw: dict) -> "AsyncClient":
     return AsyncClient(address, **kw)
+
+
+async def _write(call, message) -> None:
+    """Send ``message`` on a bidirectional call. A call the server already ended (an abort racing the write) makes
+    gRPC report only INTERNAL "Internal error from Core"; the call's own status says why it ended (UNAVAILABLE is
+    retried), so that is what is raised."""
+    try:
+        await call.write(message)
+    except grpc.RpcError as e:
+        code = await call.code()
+        if code in (None, grpc.StatusCode.OK):
+            raise
+        raise grpc.aio.AioRpcError(code, await call.initial_metadata(), await call.trailing_metadata(),
+                                   await call.details(), e.debug_error_string()) from None
