@@ -312,7 +312,7 @@ class TargetWorker:
         def pick(row: torch.Tensor) -> int:
             return int(row.argmax()) if generator is None else int(sample(warp(row[None], t.warp), generator)[0])
 
-        accepted, row = len(t.draft), rows[-1]
+        accepted = len(t.draft)
         for i in t.unsure:
             row = rows[row_at[committed - 1 + i]]
             token = pick(row)
