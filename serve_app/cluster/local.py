@@ -144,11 +144,7 @@ def abandon_ray() -> None:
     while _fronts:
         _fronts.pop().stop()
     if _owned:
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
+        _end_processes(psutil.Process().children(recursive=True), grace_s=0.0)
     sys.stderr.flush()
     os._exit(0)
 
@@ -313,10 +309,49 @@ def shutdown() -> None:
                           + ("stopping Ray with it" if _owned else "it goes on stopping on the cluster"),
                           file=sys.stderr, flush=True)
     finally:  # whatever the deletion met, Ray ends (or, joined, this process leaves it)
+        ours = _ray_processes() if _owned else []
         _owned = False
         _apps.clear()
         _close_handles()
         ray.shutdown()
+        _end_processes(ours, grace_s=AGENT_EXIT_GRACE_S)
+
+
+AGENT_EXIT_GRACE_S = 5.0  # Ray's agents notice their raylet is gone within about a second, unless still starting
+
+
+def _ray_processes() -> list:
+    """This process's descendants: the Ray it started (raylet, GCS, workers, the dashboard and runtime-env
+    agents). Taken before ray.shutdown, which ends the raylet and GCS; an agent still starting up when that happens
+    does not yet watch its raylet and would live on. Only children started from Ray's own package and their
+    descendants: anything else this process started (a peer server a benchmark runs) is not Ray's."""
+    import psutil
+    import ray
+
+    home = os.path.dirname(ray.__file__)
+    found = []
+    try:
+        for child in psutil.Process().children():
+            try:
+                if any(home in arg for arg in child.cmdline()):
+                    found += [child, *child.children(recursive=True)]
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return found
+
+
+def _end_processes(procs: list, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``procs`` to exit on their own, then kill whatever is left."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s) if grace_s > 0 else ([], procs)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
 
 
 def _close_handles() -> None:
