@@ -257,8 +257,8 @@ class LlamaCppRunner:
             return
         self._settle(s)
         if self.prompt_cache and len(s.tokens) >= MIN_BORROW:
-            slot, top = s.slot, max(self._free, default=-1)
-            if top > slot:  # kept streams gather on the high slots, out of the live sequences' run (_take_slot)
+            slot, top = s.slot, self._room_above(s.slot)
+            if top is not None:  # kept streams gather on the high slots, out of the live sequences' run
                 slot = self._move_stream(slot, top)
             self._kept[slot] = s.tokens  # until a new sequence takes its prefix or needs its slot
         else:
@@ -496,7 +496,10 @@ class LlamaCppRunner:
         slots only (llama_batch_allocr::split_equal, sequential), each reading every weight: 12 one-token rows
         on slots 0..11 are one ubatch, on slots 0..5 and 20..25 two. So live sequences are kept on the low
         slots, side by side, and kept prompt-cache streams on the high ones (release). When slots run short the
-        least recently kept stream goes first, wherever it lies."""
+        least recently kept stream goes first, wherever it lies, and a kept stream below the lowest free slot moves
+        up into that one: the new sequence takes the slot next to the live ones (with a full prompt cache, taking
+        the least recently kept stream's slot scattered the live sequences: 16 requests in a closed loop ran 2.9
+        ubatches a step, 444 ms against 283 on slots side by side, Qwen 1.5B on a 2-core Xeon)."""
         while not self._free:
             if self._kept:  # the prompt cache gives up its least recently kept stream first
                 self._free_slot(self._kept.popitem(last=False)[0])
@@ -504,8 +507,28 @@ class LlamaCppRunner:
                 raise LlamaCppError(f"a forward needs more than {self.slots} sequences and tree branches; "
                                     "raise the runner's slots")
         slot = min(self._free)
+        below = [k for k in self._kept if k < slot]
+        if below:  # the lowest open slot holds a kept stream: it moves up, out of the live run
+            low = min(below)
+            self._move_stream(low, slot)
+            self._kept = OrderedDict((slot if k == low else k, ids) for k, ids in self._kept.items())
+            slot = low
         self._free.remove(slot)
         return slot
+
+    def _room_above(self, slot: int) -> int | None:
+        """Where a stream released from ``slot`` is kept, out of the live sequences' run: the highest free slot
+        above it, else the slot of the least recently kept stream above it (that stream dropped), else None (it
+        stays: nothing lies above it)."""
+        top = max(self._free, default=-1)
+        if top > slot:
+            return top
+        above = next((k for k in self._kept if k > slot), None)  # least recently kept first
+        if above is None:
+            return None
+        del self._kept[above]
+        self._free_slot(above)
+        return above
 
     def _pack(self) -> None:
         """Move live sequences down into free slots below them, highest first, so they stay side by side on the

@@ -452,6 +452,29 @@ def test_live_sequences_stay_on_adjacent_slots_so_a_decode_step_is_one_ubatch(ll
         r.close()
 
 
+def test_with_a_full_prompt_cache_requests_coming_and_going_stay_side_by_side(ll, prompts):
+    """A closed loop: three requests decode, one finishes and a new one (sharing its prompt) takes its place,
+    with every slot the live ones leave held by a kept stream. The new request lands next to the live ones,
+    not on whichever slot the least recently kept stream had, and still reuses the cached prefix; each decode
+    step stays one ubatch."""
+    runner = LlamaCppRunner(ll.runner.path, slots=6, exact=False)
+    ids = ids_of(ll, prompts)
+    live, serial = [], 0
+    for turn in range(8):
+        while len(live) < 3:
+            seq, x = ("req", serial), list(ids[serial % len(ids)]) + [serial]
+            serial += 1
+            runner.forward([SeqInput(seq, runner.sync(seq, x))])
+            live.append(seq)
+        before = runner.stats.ubatches
+        runner.forward([SeqInput(s, [42]) for s in live])
+        assert runner.stats.ubatches - before == 1, (turn, {s: runner._seqs[s].slot for s in live}, runner._kept)
+        assert sorted(runner._seqs[s].slot for s in live) == [0, 1, 2]
+        runner.release(live.pop(turn % len(live)))  # requests finish in any order
+    assert runner.kept_count() == 3  # every slot not live holds a kept stream: the cache was full throughout
+    assert runner.stats.reused_tokens > 0
+    runner.close()
+
 @pytest.mark.parametrize("prompt_cache", [True, False])
 def test_sequences_that_outlive_others_move_down_beside_each_other_with_their_cache(ll, prompts, prompt_cache):
     """Requests finish in any order; the ones still decoding move into the freed low slots (a copy of their
