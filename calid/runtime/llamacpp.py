@@ -492,10 +492,10 @@ class LlamaCppRunner:
         return s
 
     def _take_slot(self, pinned: set) -> int:
-        """The lowest free slot. llama.cpp splits a batch over several KV streams into ubatches of adjacent
-        slots only (llama_batch_allocr::split_equal, sequential), each reading every weight: 12 one-token rows
-        on slots 0..11 are one ubatch, on slots 0..5 and 20..25 two. So live sequences are kept on the low
-        slots, side by side, and kept prompt-cache streams on the high ones (release). When slots run short the
+        """The lowest slot no live sequence holds. llama.cpp splits a batch over several KV streams into ubatches
+        of adjacent slots only (llama_batch_allocr::split_equal, sequential), each reading every weight: 12
+        one-token rows on slots 0..11 are one ubatch, on slots 0..5 and 20..25 two. So live sequences are kept on
+        the low slots, side by side, and kept prompt-cache streams on the high ones (release). When slots run short the
         least recently kept stream goes first, wherever it lies, and a kept stream below the lowest free slot moves
         up into that one: the new sequence takes the slot next to the live ones (with a full prompt cache, taking
         the least recently kept stream's slot scattered the live sequences: 16 requests in a closed loop ran 2.9
