@@ -346,7 +346,7 @@ def _end_processes(procs: list, grace_s: float) -> None:
     """Wait up to ``grace_s`` for ``procs`` to exit on their own, then kill whatever is left."""
     import psutil
 
-    _, alive = psutil.wait_procs(procs, timeout=grace_s) if grace_s > 0 else ([], procs)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for proc in alive:
         try:
             proc.kill()

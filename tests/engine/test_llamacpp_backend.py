@@ -475,6 +475,7 @@ def test_with_a_full_prompt_cache_requests_coming_and_going_stay_side_by_side(ll
     assert runner.stats.reused_tokens > 0
     runner.close()
 
+
 @pytest.mark.parametrize("prompt_cache", [True, False])
 def test_sequences_that_outlive_others_move_down_beside_each_other_with_their_cache(ll, prompts, prompt_cache):
     """Requests finish in any order; the ones still decoding move into the freed low slots (a copy of their
