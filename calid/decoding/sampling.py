@@ -47,13 +47,16 @@ def warp(logits: torch.Tensor, w: Warp) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """logits [N, V] -> each row's argmax [N] as ints (the first index on ties, as ``torch.argmax``).
+def argmax_rows(logits: torch.Tensor | list[int]) -> list[int]:
+    """logits [N, V] -> each row's argmax [N] as ints (the first index on ties, as ``torch.argmax``); ids
+    already (a runner's answer to ``SeqInput.top1_only``: a list of N ints) pass through.
 
     On CPU float32 rows this goes through numpy: over a 152k vocabulary torch's argmax takes 0.2-0.4 ms a row on
     a 2-core CPU, numpy's 0.02-0.07 ms, and a greedy step asks for one or two rows (measured beside a llama.cpp
     decode of Qwen2.5 1.5B, where 3 ms of a step went to such whole-vocabulary passes).
     """
+    if isinstance(logits, list):
+        return logits
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()

@@ -15,6 +15,10 @@ class SeqInput:
     ``positions`` default to consecutive positions after the cache; ``ancestors``
     is a [q, q] bool mask among the new tokens (token trees), default causal;
     ``logits_at`` indexes the new tokens whose logits are returned (default: last).
+    ``top1_only``: the caller reads nothing of those rows but each one's argmax (a greedy verdict), so a
+    runner may answer with the argmax ids (a list of len(logits_at) ints) instead of the [len(logits_at), V]
+    rows (llama.cpp does: no row of the vocabulary's width leaves it; calid.decoding.sampling.argmax_rows
+    takes either).
     """
 
     seq_id: Hashable
@@ -22,6 +26,7 @@ class SeqInput:
     positions: list[int] | None = None
     ancestors: torch.Tensor | None = None
     logits_at: list[int] | None = None
+    top1_only: bool = False
 
 
 @dataclass

@@ -245,11 +245,12 @@ class TargetWorker:
         g, committed = len(t.draft), t.token_ids
         suffix = self.runner.sync(t.request_id, committed + t.draft, keep_at_most=len(committed) - 1)
         n = len(suffix)
+        top1 = _greedy_chain(t)
         if t.decode.mode in ("speculative", "rollback"):
-            return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)))
+            return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)), top1_only=top1)
         start = len(committed) + g - n  # the position of suffix[0]
         if t.decode.mode != "filter":
-            return SeqInput(t.request_id, suffix, logits_at=[n - 1])
+            return SeqInput(t.request_id, suffix, logits_at=[n - 1], top1_only=top1)
         rows = {len(committed) - 1 + i for i in t.unsure} | {start + n - 1}  # before each unsure token, after the last
         if t.audit_from is not None:  # and every row from audit_from on (what the cache does not hold), in one run
             first = min(max(t.audit_from, start + 1) - 1, *rows)  # to the end: the verdict counts positions back
@@ -349,9 +350,13 @@ class TargetWorker:
         start = len(committed) - c
         positions = list(range(start, len(committed))) + [len(committed) - 1 + d for d in tree.depth]
         return SeqInput(t.request_id, committed[start:] + tree.tokens, positions=positions,
-                        ancestors=tree.block_mask(c), logits_at=list(range(c - 1, c + len(tree))))
+                        ancestors=tree.block_mask(c), logits_at=list(range(c - 1, c + len(tree))),
+                        top1_only=t.warp.greedy and t.warp.grammar is None)  # _tree_verdict: argmax rows only
 
-    def _tree_verdict(self, t: VerifyTask, tree: TokenTree, rows: torch.Tensor) -> VerifyResult:
+    def _tree_verdict(self, t: VerifyTask, tree: TokenTree, rows: torch.Tensor | list[int]) -> VerifyResult:
+        if t.warp.greedy and t.warp.grammar is None:  # the runner may have answered with the rows' argmax ids
+            verdict = verify_greedy(tree, argmax_rows(rows))
+            return self._tree_result(t, tree, verdict, t.rng)
         generator = load_generator(t.rng, rows.device)
         if t.warp.grammar is not None:  # row 0 comes after the committed ids, row i + 1 after tree node i
             rows = constrain(self.grammar, rows, [grammar_entry(t, [])] + [
@@ -362,10 +367,20 @@ class TargetWorker:
             verdict = verify_stochastic(tree, warp(rows, t.warp), t.q.to(rows.device), generator)
         else:
             verdict = verify_sampled(tree, warp(rows, t.warp), generator)
+        return self._tree_result(t, tree, verdict, save_generator(generator))
+
+    def _tree_result(self, t: VerifyTask, tree: TokenTree, verdict, rng) -> VerifyResult:
+        """Keep the accepted path in the target's cache; the result ``verdict`` (calid.decoding.tree) makes."""
         committed = len(t.token_ids)
         self.runner.compact(t.request_id, [committed + i for i in verdict.path], start=committed)
         tokens = [tree.tokens[i] for i in verdict.path] + [verdict.next_token]
-        return VerifyResult(t.request_id, tokens, len(verdict.path), tree.max_depth, True, save_generator(generator))
+        return VerifyResult(t.request_id, tokens, len(verdict.path), tree.max_depth, True, rng)
+
+
+def _greedy_chain(t: VerifyTask) -> bool:
+    """Whether a chain's rows go to ``_greedy_verdict`` as they come from the runner (no grammar mask first):
+    only each row's argmax is read."""
+    return t.warp.greedy and t.warp.grammar is None and t.q is None and t.decode.mode in ("ar", "speculative")
 
 
 def _chain_entries(t: VerifyTask, positions) -> list:

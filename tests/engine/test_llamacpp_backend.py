@@ -80,6 +80,25 @@ def test_logits_do_not_depend_on_the_batch_or_the_schedule(ll, prompts):
     assert r.cached_count() == 0
 
 
+def test_top1_only_answers_each_rows_argmax_beside_inputs_that_take_their_rows(ll, prompts):
+    """A greedy verdict reads only argmaxes: those inputs get the ids (no row leaves llama.cpp), the others
+    of the same forward their rows, and twins (one prompt twice) their shared rows' ids."""
+    r = ll.runner
+    a, b, _ = ids_of(ll, prompts)
+    ref_a = r.forward([SeqInput("ref", a, logits_at=all_rows(len(a)))])[0]
+    r.release("ref")
+    ref_b = r.forward([SeqInput("ref", b)])[0]
+    r.release("ref")
+    out = r.forward([SeqInput("a", a, logits_at=all_rows(len(a)), top1_only=True), SeqInput("b", b)])
+    assert out[0] == ref_a.argmax(-1).tolist() and torch.equal(out[1], ref_b)
+    twins = r.forward([SeqInput("t1", a, top1_only=True), SeqInput("t2", a + [42], logits_at=[len(a) - 1, len(a)],
+                                                                       top1_only=True)])
+    assert twins[0] == [int(ref_a[-1].argmax())] and twins[1][0] == twins[0][0] and len(twins[1]) == 2
+    for s in ("a", "b", "t1", "t2"):
+        r.release(s)
+    assert r.cached_count() == 0
+
+
 @pytest.mark.xfail(strict=True, reason="known: llama.cpp's CPU flash attention rounds a row past position 256 "
                    "differently when a longer stream in a later slot shares its call; without flash attention "
                    "a verify row differs from a one-token step instead (README: Lossless and deterministic)")
