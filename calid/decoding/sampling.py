@@ -49,7 +49,7 @@ def warp(logits: torch.Tensor, w: Warp) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor | list[int]) -> list[int]:
     """logits [N, V] -> each row's argmax [N] as ints (the first index on ties, as ``torch.argmax``); ids
-    already (a runner's answer to ``SeqInput.top1_only``: a list of N ints) pass through.
+    already (a runner's answer to ``SeqInput.reads`` "top1": a list of N ints) pass through.
 
     On CPU float32 rows this goes through numpy: over a 152k vocabulary torch's argmax takes 0.2-0.4 ms a row on
     a 2-core CPU, numpy's 0.02-0.07 ms, and a greedy step asks for one or two rows (measured beside a llama.cpp

@@ -296,9 +296,9 @@ class LlamaCppRunner:
         self._pack()  # the adopted branch's slot may lie above freed ones
 
     def forward(self, inputs: list[SeqInput]) -> list[torch.Tensor]:
-        """Feed each sequence's new tokens; logits [len(logits_at), V] per sequence (a ``top1_only`` input: the
-        list of those rows' argmax ids). Sequences that repeat another's prefill exactly (the n choices of a
-        prompt) are fed once and forked (calid.runtime.twins)."""
+        """Feed each sequence's new tokens; logits [len(logits_at), V] per sequence (an input that ``reads``
+        less: a list of what it reads of each of those rows). Sequences that repeat another's prefill exactly
+        (the n choices of a prompt) are fed once and forked (calid.runtime.twins)."""
         def cached(seq_id: Hashable) -> list[int]:
             s = self._seqs.get(seq_id)
             return s.tokens if s is not None else []
@@ -351,8 +351,8 @@ class LlamaCppRunner:
         for k, s, inp, positions, at, cov, own, base in trees:
             wanted[k] = self._tree_nodes(s, inp, positions, at, cov, own, base, entries, copies, pinned)
         flagged = {i for rows in wanted for i in rows}
-        top1 = {i for inp, rows in zip(inputs, wanted) if inp.top1_only for i in rows}
-        got = {}  # entry -> its logits row (its argmax id for a top1_only input)
+        reads = {i: inp.reads for inp, rows in zip(inputs, wanted) for i in rows}
+        got = {}  # entry -> its logits row, or what its input reads of it
         for lo, hi in ((0, phase_b), (phase_b, len(entries))):
             if lo == phase_b:
                 for src, dst in copies:  # after phase A: the copies hold the committed tokens
@@ -364,11 +364,11 @@ class LlamaCppRunner:
                 self._decode([entries[i] for i in call], [i in flagged for i in call], inputs)
                 mine = [i for i in call if i in flagged]
                 if mine:
-                    got.update(zip(mine, self._outputs([i in top1 for i in mine])))
+                    got.update(zip(mine, self._outputs([reads[i] for i in mine])))
         self.stats.tokens += len(entries)
         self.stats.forwards += 1
         self._synced.clear()
-        return [[got[e] for e in rows] if inp.top1_only
+        return [[got[e] for e in rows] if inp.reads != "rows"
                 else got[rows[0]][None] if len(rows) == 1 else torch.stack([got[e] for e in rows])
                 for inp, rows in zip(inputs, wanted)]
 
@@ -469,18 +469,20 @@ class LlamaCppRunner:
         ptr = self._lib.llama_get_logits(self._ctx)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)).copy())
 
-    def _outputs(self, top1: list[bool]) -> list:
-        """The last decode's output rows, in batch order: a row whose input is ``top1_only`` as its argmax id
-        (an int), read where llama.cpp left it, any other as a copied [V] float32 tensor. On a 2-core CPU, right
-        after a decode, a row of Qwen's 152k logits costs 0.6-1.3 ms to copy out and the first torch call of a
-        step 0.2-0.9 ms more; a greedy step here makes neither (Qwen 1.5B at one request, in process, time per
-        step beside llama_decode: ar 2.8 -> 1.5 ms, auto with its longer verifications 4.7 -> 2.8 ms)."""
-        if not any(top1):
-            return list(self._logits(len(top1)))
-        view = np.ctypeslib.as_array(self._lib.llama_get_logits(self._ctx), shape=(len(top1), self.vocab_size))
-        if all(top1):
+    def _outputs(self, reads: list[str]) -> list:
+        """The last decode's output rows, in batch order, each as its input ``reads`` it (SeqInput): "top1" its
+        argmax id, "top1_nll" that and its NLL, both read where llama.cpp left the row, "rows" a copied [V]
+        float32 tensor. On a 2-core CPU, right after a decode, a row of Qwen's 152k logits costs 0.6-1.3 ms to
+        copy out and the first torch call of a step 0.2-0.9 ms more; a greedy step here makes neither (Qwen 1.5B
+        at one request, in process, time per step beside llama_decode: ar 2.8 -> 1.5 ms, auto with its longer
+        verifications 4.7 -> 2.8 ms)."""
+        if all(r == "rows" for r in reads):
+            return list(self._logits(len(reads)))
+        view = np.ctypeslib.as_array(self._lib.llama_get_logits(self._ctx), shape=(len(reads), self.vocab_size))
+        if all(r == "top1" for r in reads):
             return view.argmax(-1).tolist()
-        return [int(row.argmax()) if ids else torch.from_numpy(row.copy()) for row, ids in zip(view, top1)]
+        return [int(row.argmax()) if r == "top1" else _top1_nll(row) if r == "top1_nll"
+                else torch.from_numpy(row.copy()) for row, r in zip(view, reads)]
 
     def _ensure_batch(self, n_tokens: int) -> None:
         if n_tokens > self.n_batch:
@@ -666,3 +668,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         return n
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if len(diff) else n
+
+
+def _top1_nll(row: np.ndarray) -> tuple[int, float]:
+    """A logits row's argmax and that token's NLL under the softmax, -log p(top) = log sum exp(row - max)."""
+    top = int(row.argmax())
+    return top, float(np.log(np.exp(row - row[top]).sum(dtype=np.float64)))

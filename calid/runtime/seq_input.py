@@ -15,10 +15,11 @@ class SeqInput:
     ``positions`` default to consecutive positions after the cache; ``ancestors``
     is a [q, q] bool mask among the new tokens (token trees), default causal;
     ``logits_at`` indexes the new tokens whose logits are returned (default: last).
-    ``top1_only``: the caller reads nothing of those rows but each one's argmax (a greedy verdict), so a
-    runner may answer with the argmax ids (a list of len(logits_at) ints) instead of the [len(logits_at), V]
-    rows (llama.cpp does: no row of the vocabulary's width leaves it; calid.decoding.sampling.argmax_rows
-    takes either).
+    ``reads``: what the caller reads of those rows. "rows": all of them. "top1": each one's argmax only (a greedy
+    verdict), and "top1_nll": its argmax and that token's NLL under the softmax (a greedy draft's confidence):
+    then a runner may answer with a list of len(logits_at) argmax ids, or of (id, NLL) pairs, instead of the
+    [len(logits_at), V] rows (llama.cpp does: no row of the vocabulary's width leaves it). A runner may always
+    answer with the rows (calid.decoding.sampling.argmax_rows takes either).
     """
 
     seq_id: Hashable
@@ -26,7 +27,7 @@ class SeqInput:
     positions: list[int] | None = None
     ancestors: torch.Tensor | None = None
     logits_at: list[int] | None = None
-    top1_only: bool = False
+    reads: str = "rows"  # rows | top1 | top1_nll
 
 
 @dataclass

@@ -47,7 +47,7 @@ def find_twins(inputs: list[SeqInput], cached: Callable[[Hashable], list[int]],
                 shared = align(len(past), shared)
             if (shared >= MIN_TWIN_TOKENS and lead.seq_id != inp.seq_id  # the same one twice: the forward's error
                     and set(r for r in rows_of(inp) if r < shared) <= set(rows_of(lead))
-                    and lead.top1_only == inp.top1_only):  # the rows it takes over are what it asked for
+                    and lead.reads == inp.reads):  # the rows it takes over are what it asked for
                 twins[i] = (j, shared)
                 break
         else:
@@ -87,7 +87,7 @@ def forward_sharing(inputs: list[SeqInput], cached: Callable[[Hashable], list[in
         fork(inputs[j].seq_id, inp.seq_id, past[i] + shared)
         if shared < len(inp.tokens):
             own = [r - shared for r in rows_of(inp) if r >= shared]
-            tails[i] = SeqInput(inp.seq_id, inp.tokens[shared:], logits_at=own or None, top1_only=inp.top1_only,
+            tails[i] = SeqInput(inp.seq_id, inp.tokens[shared:], logits_at=own or None, reads=inp.reads,
                                 positions=None if inp.positions is None else list(inp.positions[shared:]),
                                 ancestors=None if inp.ancestors is None else inp.ancestors[shared:, shared:])
         stats.recomputed_tokens = max(0, stats.recomputed_tokens - min(shared, len(inp.tokens) - 1))
@@ -98,7 +98,7 @@ def forward_sharing(inputs: list[SeqInput], cached: Callable[[Hashable], list[in
         lead_rows, rows = rows_of(inputs[j]), rows_of(inputs[i])
         mine = iter(fed.get(i, ()))
         taken = [out[j][lead_rows.index(r)] if r < shared else next(mine) for r in rows]
-        out[i] = taken if isinstance(out[j], list) else torch.stack(taken)  # ids (top1_only), as the runner gave them
+        out[i] = taken if isinstance(out[j], list) else torch.stack(taken)  # ids (SeqInput.reads), as they came
     return [out[i] for i in range(len(inputs))]
 
 

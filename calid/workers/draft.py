@@ -47,8 +47,9 @@ class _Chain:
         self.forwards = 0
         self.eos_ids = eos_ids
 
-    def extend(self, row: torch.Tensor, nll: float, top: int) -> None:
-        """One draft position: ``row`` its logits, ``top`` their argmax and ``nll`` its -log softmax."""
+    def extend(self, row: torch.Tensor | None, nll: float, top: int) -> None:
+        """One draft position: ``row`` its logits (None where the runner gave only ``top`` and ``nll``: a
+        greedy chain reads nothing else), ``top`` their argmax and ``nll`` its -log softmax."""
         t = self.task
         self.forwards += 1
         confident = nll <= t.confidence_nll
@@ -156,13 +157,24 @@ class DraftWorker:
 
     def _draft_chains(self, chains: list[_Chain]) -> None:
         while live := [c for c in chains if not c.done]:
-            inputs = [SeqInput(c.task.request_id, self.runner.sync(c.task.request_id, c.task.token_ids + c.tokens))
+            inputs = [SeqInput(c.task.request_id, self.runner.sync(c.task.request_id, c.task.token_ids + c.tokens),
+                               reads="top1_nll" if c.task.warp.greedy and c.task.warp.grammar is None else "rows")
                       for c in live]
-            rows = torch.cat(self.runner.forward(inputs))  # [B, V]
-            rows = constrain(self.grammar, rows, [grammar_entry(c.task, c.tokens) for c in live])
-            best, nll = top1(rows)  # [B], [B]
-            for c, row, row_nll, top in zip(live, rows, nll.tolist(), best.tolist()):
-                c.extend(row, row_nll, top)
+            out = self.runner.forward(inputs)
+            full = [i for i, o in enumerate(out) if not isinstance(o, list)]  # rows, not (top, nll) pairs
+            picked = {}
+            if full:
+                rows = constrain(self.grammar, torch.cat([out[i] for i in full]),  # [B, V]
+                                 [grammar_entry(live[i].task, live[i].tokens) for i in full])
+                best, nll = top1(rows)  # [B], [B]
+                picked = {i: (row, row_nll, top) for i, row, row_nll, top in zip(full, rows, nll.tolist(),
+                                                                                  best.tolist())}
+            for i, c in enumerate(live):
+                if i in picked:
+                    c.extend(*picked[i])
+                else:
+                    (top, row_nll), = out[i]
+                    c.extend(None, row_nll, top)
 
     def _draft_trees(self, tasks: list[DraftTask]) -> dict[Hashable, DraftResult]:
         """Draft every request's tree, one batched draft forward per depth over all chains.

@@ -245,12 +245,12 @@ class TargetWorker:
         g, committed = len(t.draft), t.token_ids
         suffix = self.runner.sync(t.request_id, committed + t.draft, keep_at_most=len(committed) - 1)
         n = len(suffix)
-        top1 = _greedy_chain(t)
+        reads = "top1" if _greedy_chain(t) else "rows"
         if t.decode.mode in ("speculative", "rollback"):
-            return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)), top1_only=top1)
+            return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)), reads=reads)
         start = len(committed) + g - n  # the position of suffix[0]
         if t.decode.mode != "filter":
-            return SeqInput(t.request_id, suffix, logits_at=[n - 1], top1_only=top1)
+            return SeqInput(t.request_id, suffix, logits_at=[n - 1], reads=reads)
         rows = {len(committed) - 1 + i for i in t.unsure} | {start + n - 1}  # before each unsure token, after the last
         if t.audit_from is not None:  # and every row from audit_from on (what the cache does not hold), in one run
             first = min(max(t.audit_from, start + 1) - 1, *rows)  # to the end: the verdict counts positions back
@@ -351,7 +351,7 @@ class TargetWorker:
         positions = list(range(start, len(committed))) + [len(committed) - 1 + d for d in tree.depth]
         return SeqInput(t.request_id, committed[start:] + tree.tokens, positions=positions,
                         ancestors=tree.block_mask(c), logits_at=list(range(c - 1, c + len(tree))),
-                        top1_only=t.warp.greedy and t.warp.grammar is None)  # _tree_verdict: argmax rows only
+                        reads="top1" if t.warp.greedy and t.warp.grammar is None else "rows")  # _tree_verdict
 
     def _tree_verdict(self, t: VerifyTask, tree: TokenTree, rows: torch.Tensor | list[int]) -> VerifyResult:
         if t.warp.greedy and t.warp.grammar is None:  # the runner may have answered with the rows' argmax ids

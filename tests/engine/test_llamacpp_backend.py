@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from calid.backends import open_draft, open_model
+from calid.decoding.confidence import top1
 from calid.decoding.modes import DecodeParams
 from calid.decoding.tree import TokenTree
 from calid.engine import Engine
@@ -80,21 +81,26 @@ def test_logits_do_not_depend_on_the_batch_or_the_schedule(ll, prompts):
     assert r.cached_count() == 0
 
 
-def test_top1_only_answers_each_rows_argmax_beside_inputs_that_take_their_rows(ll, prompts):
-    """A greedy verdict reads only argmaxes: those inputs get the ids (no row leaves llama.cpp), the others
-    of the same forward their rows, and twins (one prompt twice) their shared rows' ids."""
+def test_inputs_that_read_only_the_top1_get_it_beside_inputs_that_take_their_rows(ll, prompts):
+    """A greedy verdict reads only argmaxes, a greedy draft also that token's NLL: those inputs get just
+    that (no row leaves llama.cpp), the others of the same forward their rows, and twins (one prompt twice)
+    their shared rows' ids."""
     r = ll.runner
     a, b, _ = ids_of(ll, prompts)
     ref_a = r.forward([SeqInput("ref", a, logits_at=all_rows(len(a)))])[0]
     r.release("ref")
     ref_b = r.forward([SeqInput("ref", b)])[0]
     r.release("ref")
-    out = r.forward([SeqInput("a", a, logits_at=all_rows(len(a)), top1_only=True), SeqInput("b", b)])
+    out = r.forward([SeqInput("a", a, logits_at=all_rows(len(a)), reads="top1"), SeqInput("b", b),
+                     SeqInput("c", a, logits_at=[2, len(a) - 1], reads="top1_nll")])
     assert out[0] == ref_a.argmax(-1).tolist() and torch.equal(out[1], ref_b)
-    twins = r.forward([SeqInput("t1", a, top1_only=True), SeqInput("t2", a + [42], logits_at=[len(a) - 1, len(a)],
-                                                                       top1_only=True)])
+    ids, nll = top1(ref_a[[2, -1]])
+    assert [t for t, _ in out[2]] == ids.tolist()
+    assert [n for _, n in out[2]] == pytest.approx(nll.tolist(), rel=1e-4, abs=1e-5)
+    twins = r.forward([SeqInput("t1", a, reads="top1"), SeqInput("t2", a + [42], logits_at=[len(a) - 1, len(a)],
+                                                                 reads="top1")])
     assert twins[0] == [int(ref_a[-1].argmax())] and twins[1][0] == twins[0][0] and len(twins[1]) == 2
-    for s in ("a", "b", "t1", "t2"):
+    for s in ("a", "b", "c", "t1", "t2"):
         r.release(s)
     assert r.cached_count() == 0
 
