@@ -97,8 +97,10 @@ def test_inputs_that_read_only_the_top1_get_it_beside_inputs_that_take_their_row
     ids, nll = top1(ref_a[[2, -1]])
     assert [t for t, _ in out[2]] == ids.tolist()
     assert [n for _, n in out[2]] == pytest.approx(nll.tolist(), rel=1e-4, abs=1e-5)
+    forked = r.stats.forked_sequences
     twins = r.forward([SeqInput("t1", a, reads="top1"), SeqInput("t2", a + [42], logits_at=[len(a) - 1, len(a)],
                                                                  reads="top1")])
+    assert r.stats.forked_sequences == forked + 1  # t2 took t1's prefill, and its row as an id
     assert twins[0] == [int(ref_a[-1].argmax())] and twins[1][0] == twins[0][0] and len(twins[1]) == 2
     for s in ("a", "b", "c", "t1", "t2"):
         r.release(s)
