@@ -464,11 +464,6 @@ class LlamaCppRunner:
                 self._release(inp.seq_id)
             raise LlamaCppError(f"llama_decode failed (code {rc}) on {len(entries)} tokens")
 
-    def _logits(self, n: int) -> torch.Tensor:
-        """The last decode's output rows, in batch order, as one [n, V] float32 tensor."""
-        ptr = self._lib.llama_get_logits(self._ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)).copy())
-
     def _outputs(self, reads: list[str]) -> list:
         """The last decode's output rows, in batch order, each as its input ``reads`` it (SeqInput): "top1" its
         argmax id, "top1_nll" that and its NLL, both read where llama.cpp left the row, "rows" a copied [V]
@@ -476,9 +471,9 @@ class LlamaCppRunner:
         copy out and the first torch call of a step 0.2-0.9 ms more; a greedy step here makes neither (Qwen 1.5B
         at one request, in process, time per step beside llama_decode: ar 2.8 -> 1.5 ms, auto with its longer
         verifications 4.7 -> 2.8 ms)."""
-        if all(r == "rows" for r in reads):
-            return list(self._logits(len(reads)))
         view = np.ctypeslib.as_array(self._lib.llama_get_logits(self._ctx), shape=(len(reads), self.vocab_size))
+        if all(r == "rows" for r in reads):
+            return list(torch.from_numpy(view.copy()))
         if all(r == "top1" for r in reads):
             return view.argmax(-1).tolist()
         return [int(row.argmax()) if r == "top1" else _top1_nll(row) if r == "top1_nll"
