@@ -5,7 +5,8 @@ through ``LocalHandle``, which takes the calls a Serve handle takes (``handle.ve
 replica=...)``, ``broadcast``) and runs them as tasks on the router's event loop. Everything above the handle
 (worker calls and their retries, deltas, pins, the release echo, scoring, calibration) is unchanged; what goes
 away is the process hop of every draft and target call: a step costs its forwards and the router's own work.
-The models' forwards run on each worker's executor thread, off the event loop, as they do in a worker replica.
+The models' forwards run off the event loop on one executor thread, the target's, which the draft shares
+(``share_thread``: llama.cpp slows down for good once two threads have called it).
 
 The split topology (separate draft and target deployments) stays for what one process cannot do: drafts on
 other nodes, model-parallel target groups, and scaling draft and target replicas apart.
@@ -57,6 +58,9 @@ def colocated_workers(config: dict) -> tuple[LocalHandle | None, LocalHandle]:
     its vocabulary against the target's)."""
     from serve_app.workers.deployments import DraftDeployment, TargetDeployment
 
-    target = LocalHandle(TargetDeployment.func_or_class(config))
-    draft = LocalHandle(DraftDeployment.func_or_class(config)) if config.get("draft") is not None else None
-    return draft, target
+    target = TargetDeployment.func_or_class(config)
+    if config.get("draft") is None:
+        return None, LocalHandle(target)
+    draft = DraftDeployment.func_or_class(config)
+    draft.share_thread(target)  # one thread calls llama.cpp (see share_thread)
+    return LocalHandle(draft), LocalHandle(target)
