@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -83,7 +84,15 @@ def step_ms(ggufs: list[Path], threads: int, rows=TIMED_ROWS, repeats: int = 5, 
             ) -> list[dict[int, float]]:
     """For each GGUF, ms of a decode step of ``n`` rows (each its own sequence, 64 tokens in) for n in
     ``rows``: the median of ``repeats`` steps, the least over ``rounds`` taken in turn with the other files,
-    so that a busy moment of the machine does not decide between them."""
+    so that a busy moment of the machine does not decide between them. Timed on a thread of its own that ends
+    with it: llama.cpp's OpenMP team belongs to the calling thread, and a team left behind on a server's
+    start-up thread, beside the thread its forwards run on, would slow every later forward (libgomp sleeps
+    its threads at each barrier once it counts more threads than cores)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="calid-timing") as pool:
+        return pool.submit(_step_ms, ggufs, threads, rows, repeats, rounds).result()
+
+
+def _step_ms(ggufs: list[Path], threads: int, rows, repeats: int, rounds: int) -> list[dict[int, float]]:
     from calid.runtime.llamacpp import LlamaCppRunner
     from calid.runtime.runner import SeqInput
 
