@@ -379,7 +379,7 @@ async def _write(call, message) -> None:
         if code in (None, grpc.StatusCode.OK):
             raise
         if code == grpc.StatusCode.INTERNAL and details == e.details():  # the call took the failed send's own
-            # status: the server's never arrived (it ended the call first: 1 run in 6 of a test that aborts)
+            # status: the server's never arrived (it ended the call first: 2 runs in 9 of a test that aborts)
             code, details = grpc.StatusCode.UNAVAILABLE, f"the server ended the call under a write ({details})"
         raise grpc.aio.AioRpcError(code, await call.initial_metadata(), await call.trailing_metadata(),
                                    details, e.debug_error_string()) from None
