@@ -20,6 +20,7 @@ from serve_app.workers.deployments import DraftDeployment, TargetDeployment
 
 SERVICER = "calid.v1.calid_pb2_grpc.add_CalidServicer_to_server"
 HEALTH_CHECK_PERIOD_S = 5.0  # workers' check_health: a hung forward is noticed within this
+CALIBRATION_WAIT_S = 300.0  # how long serve_app waits for the routers' forward timings before calling the app ready
 # a worker gets a call per decoding step: an access-log line each would cost more than the call's routing
 WORKER_LOGGING = {"enable_access_log": False}
 
@@ -115,3 +116,18 @@ def deploy(cfg: AppConfig, blocking: bool = False):
     """Run the app under cfg.app_name on the running Serve: a first deployment, or an in-place update of one
     (Serve replaces only the deployments whose settings changed)."""
     return serve.run(build_app(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=blocking)
+
+
+def wait_calibrated(cfg: AppConfig, timeout_s: float = CALIBRATION_WAIT_S) -> bool:
+    """Wait until a router of each of the app's models has timed its workers' forwards (Router.calibrated,
+    started as the router starts), so that the first auto request is served at full speed; other router
+    replicas calibrate in the background. False: one took longer than ``timeout_s`` (it goes on meanwhile)."""
+    from ray.exceptions import GetTimeoutError
+
+    names = ["router"] if not cfg.models else [f"router-{key}" for key in cfg.model_configs]
+    try:
+        for name in names:
+            serve.get_deployment_handle(name, cfg.app_name).calibrated.remote().result(timeout_s=timeout_s)
+    except (TimeoutError, GetTimeoutError):
+        return False
+    return True

@@ -9,6 +9,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from calid.errors import CalidError
@@ -220,11 +221,26 @@ def serve_app(cfg, num_cpus: int | None = None, dashboard: bool = True, address:
         _apps[cfg.app_name] = behind
         front.start()
         _fronts.append(front)
+        _calibrated(behind)
         return url
     url = start_ray(num_cpus, dashboard, address)
     start(cfg)
     _apps[cfg.app_name] = cfg
+    _calibrated(cfg)
     return url
+
+
+def _calibrated(cfg) -> None:
+    """Wait for the routers' timing of the models' forwards (auto mode's costs; seconds on a CPU), saying so."""
+    from serve_app.cluster.app import CALIBRATION_WAIT_S, wait_calibrated
+
+    start = time.perf_counter()
+    print("[calid] timing the models' forwards for auto mode ...", file=sys.stderr, flush=True)
+    if wait_calibrated(cfg):
+        print(f"[calid] timed in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    else:
+        print(f"[calid] still timing after {CALIBRATION_WAIT_S:.0f} s; serving meanwhile (auto requests wait for it)",
+              file=sys.stderr, flush=True)
 
 
 def redeploy(cfg) -> None:

@@ -126,7 +126,7 @@ class Router(GrpcFront):
         self._step_s = 0.0  # time in steps (the rest of it is spent in worker calls: stats()["call_s"])
         self._max_escalation = 0
         self._in_runs: set[str | None] = set()  # target replicas running this step's runs of plain steps
-        self._calibrated = False
+        self._calibration: asyncio.Task | None = None  # the workers' forward costs, measured once (calibration)
         self.call_overhead_s: dict[str, float] = {}  # a no-op call's round trip per worker role, at calibration
         self._draft_probe: asyncio.Task | None = None
         self._draft_lost = 0  # times the draft could not be reached
@@ -140,6 +140,11 @@ class Router(GrpcFront):
         self.calls = WorkerCalls(self.cfg, draft, target, self._id,
                                  lambda: {"queued": float(len(self._waiting)), **self._rates.snapshot()})
         self.orch.replica_of = lambda rid: self.calls.replica_of("target", rid)  # the planner's cost per replica
+        try:  # in a Serve replica the constructor runs on the event loop: calibrate now, before the first auto request
+            asyncio.get_running_loop()
+            self._calibration_task()
+        except RuntimeError:  # built outside a running loop (in-process tests): the first auto step starts it
+            pass
 
     # ---- what every front-end shares ------------------------------------------------------
 
@@ -160,6 +165,7 @@ class Router(GrpcFront):
                 "call_s": dict(self.calls.seconds), "draft_lost": self._draft_lost,
                 "draft_available": self.orch.draft_available, "planned": dict(self.orch.planned),
                 "call_overhead_ms": {k: round(1000 * v, 2) for k, v in self.call_overhead_s.items()},
+                "costs_known": self.orch.verify_cost.known,  # the planner has forward costs (calibrated or live)
                 "guard": {"overruled": self.orch.guard.overruled, "ms_per_token": self.orch.guard.summary()}
                 if self.orch.guard is not None else {},
                 "agreement": {"audited_tokens": self.orch.audited[1], "agreed_tokens": self.orch.audited[0],
@@ -424,8 +430,8 @@ class Router(GrpcFront):
     async def _step(self, states: list[RequestState]) -> None:
         """Drive one step (Orchestrator.step) with the workers' calls, an edge request's round as its draft."""
         self._steps += 1
-        if not self._calibrated and any(s.req.decode.mode == "auto" for s in states):
-            await self._calibrate()
+        if any(s.req.decode.mode == "auto" for s in states) and not self._calibration_task().done():
+            await asyncio.shield(self._calibration_task())  # an auto plan needs the costs (started at start-up)
         edge = [r for s in states if (r := self._requests.get(s.req.request_id)) is not None and r.edge]
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
                   for r in edge for s in [self.orch.active[r.req.request_id]]}
@@ -529,13 +535,26 @@ class Router(GrpcFront):
         for rid, failure in failed.items():
             self._deliver_failure(rid, failure)
 
+    def _calibration_task(self) -> asyncio.Task:
+        """The calibration (_calibrate), started on first use: a router starts it as it starts, in the background,
+        so that the first auto request does not pay it (Qwen 1.5B with its draft, 2-core CPU: 10-19 s)."""
+        if self._calibration is None:
+            self._calibration = asyncio.get_running_loop().create_task(self._calibrate(),
+                                                                       context=contextvars.Context())
+        return self._calibration
+
+    async def calibrated(self) -> dict[str, float]:
+        """Wait for the calibration; a no-op call's round trip per worker role, in ms (empty: it failed, and auto
+        requests decode plain). serve_app waits on this before it calls the app ready."""
+        await asyncio.shield(self._calibration_task())
+        return {k: round(1000 * v, 2) for k, v in self.call_overhead_s.items()}
+
     async def _calibrate(self) -> None:
         """The workers' measured forward costs, the auto mode planner's starting point (refined live). A worker
         times its forwards alone; live timings are whole calls (transport, dispatch), so each calibrated cost
         gets its role's measured round trip: otherwise the sizes timed live (a plain step) looked dearer than
         the sizes known from calibration only (a verification), and auto drafted where it lost (Qwen 1.5B,
         c=1 served: one token 36 ms live against two 57 ms calibrated, where two cost 2x one)."""
-        self._calibrated = True
         try:
             verify = await self.target.costs.remote()
             draft = await self.draft.costs.remote() if self.draft is not None else {}

@@ -7,9 +7,10 @@ from serve_app.cluster.config import AppConfig
 def deploy(cfg: AppConfig):
     from ray import serve
 
-    from serve_app.cluster.app import build_app
+    from serve_app.cluster.app import build_app, wait_calibrated
 
     serve.run(build_app(cfg), name=cfg.app_name, route_prefix=f"/{cfg.app_name}")
+    assert wait_calibrated(cfg), f"{cfg.app_name}: the routers did not time their workers within the wait"
     return cfg
 
 

@@ -26,6 +26,15 @@ def engine_client(engine_app):
         yield c
 
 
+def test_the_router_times_its_workers_as_it_starts_before_any_request(engine_app):
+    """auto's costs are measured as the router starts (Router.calibrated, which deploy waits on as serve_app
+    does), not by the first auto request, which used to wait 10-19 s for them on the Qwen pair."""
+    stats = handle(engine_app.app_name, "router").stats.remote().result()
+    assert stats["steps"] == 0, "run this module's tests in file order: this one needs a router that served nothing"
+    assert set(stats["call_overhead_ms"]) == {"target", "draft"}
+    assert stats["costs_known"]
+
+
 def test_the_app_is_one_router_deployment_holding_both_models(engine_app):
     from ray import serve
 
