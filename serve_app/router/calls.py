@@ -324,13 +324,15 @@ def _request_failure(role: str, e: BaseException) -> Failure:
 
 async def answered(calls: dict, timeout_s: float) -> dict:
     """The results of those ``calls`` (Serve responses, by key) that answer within ``timeout_s``; a failure is
-    raised. The others are cancelled: a replica being replaced answers nothing until its successor is up, and
-    a call left waiting for it stays an ongoing request of the caller's replica, which Serve's graceful stop
-    then waits for (the soak's router counted two such calls at its end)."""
+    raised, except a replica's death (RayActorError: Serve had routed the call to a replica just killed), which
+    is left out like a late answer. The others are cancelled: a replica being replaced answers nothing until
+    its successor is up, and a call left waiting for it stays an ongoing request of the caller's replica, which
+    Serve's graceful stop then waits for (the soak's router counted two such calls at its end)."""
     tasks = {key: asyncio.ensure_future(call) for key, call in calls.items()}
     done, pending = await asyncio.wait(tasks.values(), timeout=timeout_s) if tasks else (set(), set())
     for key, task in tasks.items():
         if task in pending:
             task.cancel()
             calls[key].cancel()  # cancelling the wait alone leaves the request itself in flight
-    return {key: task.result() for key, task in tasks.items() if task in done}
+    return {key: task.result() for key, task in tasks.items()
+            if task in done and not isinstance(task.exception(), RayActorError)}

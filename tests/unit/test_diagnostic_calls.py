@@ -37,6 +37,14 @@ def test_a_worker_that_does_not_answer_in_time_is_left_out_and_its_call_cancelle
     assert draft.cancelled and not target.cancelled
 
 
+def test_a_replica_that_died_under_the_call_is_left_out():
+    from ray.exceptions import ActorUnavailableError
+
+    died = _Response(ActorUnavailableError("the replica was killed", None), 0.0)
+    got = asyncio.run(answered({"target": died, "draft": _Response({"cached": 1}, 0.0)}, timeout_s=1.0))
+    assert got == {"draft": {"cached": 1}}
+
+
 def test_a_failing_worker_is_an_error_and_no_workers_is_nothing():
     with pytest.raises(RuntimeError, match="replica died"):
         asyncio.run(answered({"target": _Response(RuntimeError("replica died"), 0.0)}, timeout_s=1.0))
