@@ -42,11 +42,21 @@ def build_app(args: dict | AppConfig | None = None, check_cluster: bool = True):
     routers: dict[str, list] = {}  # served name -> its routers (one per group of its placement)
     cores: dict[str, list] = {}  # served name -> the cores of each of those groups ([]: any)
     for key, c in per_model.items():
-        routers.setdefault(c.served_model, []).append(_model_app(c, suffix=f"-{key}"))
+        routers.setdefault(c.served_model, []).append(_model_app(c, suffix=_suffix(key)))
         cores.setdefault(c.served_model, []).append(c.cpu_affinity or [])
     return ModelFront.options(ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources},
                               graceful_shutdown_timeout_s=cfg.request_timeout_s,  # its streams, as a router's
                               ).bind(cfg.model_dump(), routers, cores)
+
+
+def _suffix(key: str) -> str:
+    """The deployment-name suffix of one model (replica group) of a multi-model app (AppConfig.model_configs)."""
+    return f"-{key}"
+
+
+def router_name(suffix: str) -> str:
+    """The router deployment's name (``suffix``: its model's in a multi-model app, else empty)."""
+    return "router" + suffix
 
 
 def _model_app(cfg: AppConfig, suffix: str = ""):
@@ -60,7 +70,7 @@ def _model_app(cfg: AppConfig, suffix: str = ""):
     pinning = {"request_router_config": request_router_config()} if suffix else {}
     if cfg.topology == "engine":
         cpus = cfg.router_num_cpus + cfg.target_num_cpus + (cfg.draft_num_cpus if cfg.draft is not None else 0.0)
-        return Router.options(name="router" + suffix, graceful_shutdown_timeout_s=cfg.request_timeout_s, **pinning,
+        return Router.options(name=router_name(suffix), graceful_shutdown_timeout_s=cfg.request_timeout_s, **pinning,
                               ray_actor_options={"num_cpus": cpus, "num_gpus": cfg.target_num_gpus,
                                                  "resources": {**cfg.router_resources, **cfg.target_resources}},
                               ).bind(config, None, None)
@@ -82,7 +92,7 @@ def _model_app(cfg: AppConfig, suffix: str = ""):
             autoscaling_config=autoscaling_config(cfg.draft_scaling),
         ).bind(config)
     routers = cfg.router_scaling
-    return Router.options(name="router" + suffix, graceful_shutdown_timeout_s=cfg.request_timeout_s, **pinning,
+    return Router.options(name=router_name(suffix), graceful_shutdown_timeout_s=cfg.request_timeout_s, **pinning,
                           ray_actor_options={"num_cpus": cfg.router_num_cpus, "resources": cfg.router_resources},
                           autoscaling_config={
         "min_replicas": routers.min_replicas, "max_replicas": routers.max_replicas,
@@ -124,7 +134,7 @@ def wait_calibrated(cfg: AppConfig, timeout_s: float = CALIBRATION_WAIT_S) -> bo
     replicas calibrate in the background. False: one took longer than ``timeout_s`` (it goes on meanwhile)."""
     from ray.exceptions import GetTimeoutError
 
-    names = ["router"] if not cfg.models else [f"router-{key}" for key in cfg.model_configs]
+    names = [router_name("")] if not cfg.models else [router_name(_suffix(key)) for key in cfg.model_configs]
     try:
         for name in names:
             serve.get_deployment_handle(name, cfg.app_name).calibrated.remote().result(timeout_s=timeout_s)

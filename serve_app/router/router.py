@@ -141,7 +141,6 @@ class Router(GrpcFront):
                                  lambda: {"queued": float(len(self._waiting)), **self._rates.snapshot()})
         self.orch.replica_of = lambda rid: self.calls.replica_of("target", rid)  # the planner's cost per replica
         try:  # in a Serve replica the constructor runs on the event loop: calibrate now, before the first auto request
-            asyncio.get_running_loop()
             self._calibration_task()
         except RuntimeError:  # built outside a running loop (in-process tests): the first auto step starts it
             pass
@@ -430,8 +429,10 @@ class Router(GrpcFront):
     async def _step(self, states: list[RequestState]) -> None:
         """Drive one step (Orchestrator.step) with the workers' calls, an edge request's round as its draft."""
         self._steps += 1
-        if any(s.req.decode.mode == "auto" for s in states) and not self._calibration_task().done():
-            await asyncio.shield(self._calibration_task())  # an auto plan needs the costs (started at start-up)
+        if any(s.req.decode.mode == "auto" for s in states):
+            calibration = self._calibration_task()  # an auto plan needs the costs (started at start-up)
+            if not calibration.done():
+                await asyncio.shield(calibration)
         edge = [r for s in states if (r := self._requests.get(s.req.request_id)) is not None and r.edge]
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
                   for r in edge for s in [self.orch.active[r.req.request_id]]}
