@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from calid.hugepages import describe as pages
 from calid.errors import CalidError
 
 BACKENDS = ("auto", "torch", "llamacpp")
@@ -57,7 +58,8 @@ def cpu_summary() -> str:
     if "cpu family" in info and "model" in info:  # the generation: the same name covers 3x apart in step time
         kind += f" (family {info['cpu family']} model {info['model']})"
     return (f"{kind}, {os.cpu_count()} cores, cpu flags: "
-            + (" ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted)))
+            + (" ".join(f for f in wanted if f in flags) or "none of " + ",".join(wanted))
+            + f"; {pages()}")
 
 
 def cpu_identity() -> str:

@@ -6,6 +6,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 export RAY_AUTH_MODE=disabled
+# malloc on transparent huge pages for the models the tests load in this process too (calid/hugepages.py)
+[ "${CALID_HUGEPAGES:-1}" = 0 ] || export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1"
 echo "[test] ruff check (pyproject.toml [tool.ruff])"
 ruff check --quiet . || { echo "[test] ruff found problems (above); 'ruff check --fix .' mends some" >&2; exit 1; }
 if [ "${1:-}" = "fast" ]; then

@@ -15,7 +15,14 @@ import sys
 from calid.errors import CalidError
 
 
+MODEL_COMMANDS = ("generate", "serve", "demo", "bench")  # the commands that load models (here or in Ray workers)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] in MODEL_COMMANDS:
+        from calid.hugepages import reexec
+
+        reexec()  # once, before anything is loaded: weights on huge pages (calid.hugepages)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

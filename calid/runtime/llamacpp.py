@@ -45,6 +45,7 @@ from typing import Hashable
 import numpy as np
 import torch
 
+from calid.hugepages import describe as pages
 from calid.errors import CalidError
 from calid.runtime.runner import RunnerStats, SeqInput
 from calid.runtime.seq_cover import cover
@@ -203,7 +204,8 @@ class LlamaCppRunner:
     def describe(self) -> str:
         return (f"llama.cpp {self.path.name}, {self.threads} threads, {self.slots} sequences x "
                 f"{self.cells_per_slot} tokens of KV ({self.kv_bytes / 2**20:.0f} MiB), "
-                + ("exact (batch-invariant) forwards" if self.exact else "batched forwards"))
+                + ("exact (batch-invariant) forwards" if self.exact else "batched forwards")
+                + f", {pages()}")
 
     @property
     def device(self) -> torch.device:

@@ -10,12 +10,15 @@ A llama-server runs with ``--metrics``: ``spec_counters`` reads its ``llamacpp:s
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from calid.hugepages import without_tunable
 
 PEERS = ("llama-cpp-python", "llama-server")
 
@@ -73,10 +76,11 @@ def spec_counters(text: str) -> dict[str, float]:
 class PeerServer:
     """A peer on 127.0.0.1:port with ``slots`` parallel sequences, up until the block ends (its log in a temp
     file); ``spec``: llama-server's speculation configuration (SPEC_CONFIGS), ``draft`` the GGUF it may draft
-    with."""
+    with; ``hugepages``: it starts with calid's malloc huge-page tunable where calid's processes have it (else
+    as its users start it, without)."""
 
     def __init__(self, peer: str, gguf: str, threads: int, port: int, slots: int, llama_server: str | None,
-                 name: str, spec: str = "plain", draft: Path | None = None):
+                 name: str, spec: str = "plain", draft: Path | None = None, hugepages: bool = False):
         if peer == "llama-cpp-python":
             try:
                 import fastapi, sse_starlette, starlette_context, uvicorn  # noqa: F401, E401
@@ -94,10 +98,11 @@ class PeerServer:
                         "-np", str(slots), "-c", str(2048 * slots), "-cb", "--metrics",
                         "--host", "127.0.0.1", "--port", str(port), *spec_args(spec, draft)]
         self.port, self.peer = port, peer
+        self.env = dict(os.environ) if hugepages else without_tunable(os.environ)
 
     def __enter__(self):
         self.log = open(f"/tmp/calid-bench-{self.peer}.log", "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -66,6 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="stress case: the sweep's answers run past EOS to "
                    "--max-new-tokens (the trace replay always runs to the trace's output lengths)")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads of every server (default: all cores)")
+    p.add_argument("--peer-hugepages", action="store_true", help="start the peers with calid's malloc huge-page "
+                   "tunable too (calid.hugepages; default: as their users start them, without it)")
     p.add_argument("--llama-server", default=shutil.which("llama-server"),
                    help="llama-server binary (default: on PATH)")
     p.add_argument("--llama-configs", default=DEFAULT_SPEC, help="llama-server configurations to run, each a row "
@@ -109,13 +111,14 @@ def run(args) -> int:
     prompts = workload_prompts(args.workload, PROMPTS)
     print(f"bench peers: {cfg.target} ({Path(gguf).name}), {threads} threads; calid modes {modes}; peers {peers}; "
           f"concurrency {sweep}; {args.rounds} round(s); workload {args.workload}; at most {args.max_new_tokens} new "
-          f"tokens, greedy; calid topology {cfg.topology}; {cpu_summary()}; "
+          f"tokens, greedy; calid topology {cfg.topology}; {cpu_summary()}; peers on "
+          f"{'the same pages' if args.peer_hugepages else '4 KiB pages (as their users start them)'}; "
           f"decode limit {limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)",
           file=sys.stderr)
     runs, skipped = [], {}
     url = f"http://127.0.0.1:{args.port}/v1"
     servers = _Servers(cfg, gguf, threads, args.port, args.llama_server,
-                       _draft_gguf(cfg, threads) if "llama-server" in peers else None)
+                       _draft_gguf(cfg, threads) if "llama-server" in peers else None, args.peer_hugepages)
     replays = _Replays(args, cfg.target, url)
     per_round = sum(_requests(args, c) for c in sweep)
     for rnd in range(args.rounds):
@@ -138,7 +141,7 @@ def run(args) -> int:
     replay = replays.plan
     rows, slo = _rows(runs, args.slo_scale, limit, target.tokenizer)
     meta = {"model": cfg.target, "gguf": Path(gguf).name, "workload": args.workload, "topology": cfg.topology,
-            "threads": threads, "cpu": cpu_summary(),
+            "threads": threads, "cpu": cpu_summary(), "peer_hugepages": args.peer_hugepages,
             "bandwidth_GBps": round(bandwidth, 1), "new_tokens": args.max_new_tokens,
             "rounds": args.rounds, "slo": f"TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.0f} ms",
             **({"replay": f"{replay.name}: {len(replay.trace)} requests at {replay.rate:.3f}/s ({args.trace_rate:g} x "
@@ -224,12 +227,14 @@ class _Servers:
     port: int
     llama_server: str | None  # its binary
     draft: Path | None  # the draft's GGUF as calid drafts with it (llama-server's -md), None for a self-draft
+    hugepages: bool = False  # peers start with calid's malloc huge-page tunable (calid.hugepages)
 
     def start(self, server: str, mode: str, slots: int):
         if server == "calid":
             return _calid(self.cfg)
         return PeerServer(server, self.gguf, self.threads, self.port, slots, self.llama_server, self.cfg.target,
-                          spec=mode if server == "llama-server" else "plain", draft=self.draft)
+                          spec=mode if server == "llama-server" else "plain", draft=self.draft,
+                          hugepages=self.hugepages)
 
 
 def _draft_gguf(cfg, threads: int) -> Path | None:

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+from calid.hugepages import child_env
 from calid.errors import CalidError
 
 SERVE_GRPC_ENV = "RAY_SERVE_USE_GRPC_BY_DEFAULT"
@@ -49,9 +50,11 @@ LOOPBACK_ENV = {
 
 
 def loopback_env() -> None:
-    """Must run before ``ray`` is first imported: Ray reads these once, at import."""
+    """Must run before ``ray`` is first imported: Ray reads these once, at import. Also puts malloc's huge-page
+    tunable in the environment the embedded Ray's processes (the model replicas) start with (calid.hugepages)."""
     for k, v in LOOPBACK_ENV.items():
         os.environ.setdefault(k, v)
+    os.environ.update(child_env())
 
 
 def start_ray(num_cpus: int | None = None, dashboard: bool = True, address: str | None = None) -> str | None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 from ray import serve
 
+from calid.hugepages import describe as pages
 from calid.admission import Backlog, budget_left
 from calid.decoding.budget import starting_table
 from calid.decoding.modes import MODES
@@ -165,6 +166,7 @@ class Router(GrpcFront):
                 "draft_available": self.orch.draft_available, "planned": dict(self.orch.planned),
                 "call_overhead_ms": {k: round(1000 * v, 2) for k, v in self.call_overhead_s.items()},
                 "costs_known": self.orch.verify_cost.known,  # the planner has forward costs (calibrated or live)
+                "pages": pages(),  # this replica's malloc: huge pages or 4 KiB (calid.hugepages)
                 "guard": {"overruled": self.orch.guard.overruled, "ms_per_token": self.orch.guard.summary()}
                 if self.orch.guard is not None else {},
                 "agreement": {"audited_tokens": self.orch.audited[1], "agreed_tokens": self.orch.audited[0],

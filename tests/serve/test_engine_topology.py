@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from calid import hugepages
 from calid.client import Client
 from calid.decoding.modes import MODES
 from serve_app.cluster.config import AppConfig, ConfigError, load_config
@@ -42,6 +43,17 @@ def test_the_app_is_one_router_deployment_holding_both_models(engine_app):
     assert set(deployments) == {"router"}
     workers = handle(engine_app.app_name, "router").worker_stats.remote().result()
     assert set(workers) == {"draft", "target"}
+
+
+@pytest.mark.skipif(hugepages.why_not() is not None, reason=f"no huge pages here: {hugepages.why_not()}")
+def test_the_replica_holding_the_models_keeps_them_on_huge_pages(engine_app):
+    """calid.hugepages: the embedded Ray's processes start with malloc's huge-page tunable, so the weights and KV
+    the router replica allocates sit on 2 MiB pages (a decode step 12% faster on a 2-core VM)."""
+    stats = handle(engine_app.app_name, "router").stats.remote().result()
+    assert stats["pages"].startswith("huge pages"), stats["pages"]
+    with open(f"/proc/{stats['pid']}/smaps_rollup") as f:
+        huge_kb = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
+    assert huge_kb >= 64 << 10, f"{huge_kb} kB on huge pages"
 
 
 @pytest.mark.parametrize("mode", MODES)
