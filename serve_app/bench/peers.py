@@ -111,8 +111,8 @@ def run(args) -> int:
     prompts = workload_prompts(args.workload, PROMPTS)
     print(f"bench peers: {cfg.target} ({Path(gguf).name}), {threads} threads; calid modes {modes}; peers {peers}; "
           f"concurrency {sweep}; {args.rounds} round(s); workload {args.workload}; at most {args.max_new_tokens} new "
-          f"tokens, greedy; calid topology {cfg.topology}; {cpu_summary()}; peers on "
-          f"{'the same pages' if args.peer_hugepages else '4 KiB pages (as their users start them)'}; "
+          f"tokens, greedy; calid topology {cfg.topology}; {cpu_summary()}; peers "
+          f"{'with' if args.peer_hugepages else 'without (as their users start them)'} calid's huge-page tunable; "
           f"decode limit {limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)",
           file=sys.stderr)
     runs, skipped = [], {}

@@ -110,6 +110,19 @@ def test_llama_server_configurations_become_its_speculation_flags(tmp_path):
     assert cmd[cmd.index("-np") + 1] == "4" and "--metrics" in cmd and cmd[-2:] == ["--spec-draft-n-max", "4"]
 
 
+def test_peers_start_without_calids_huge_page_tunable_unless_asked(tmp_path, monkeypatch):
+    from calid.hugepages import TUNABLE, TUNABLES_ENV
+    from serve_app.bench.peer_servers import PeerServer
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    monkeypatch.setenv(TUNABLES_ENV, f"glibc.malloc.arena_max=2:{TUNABLE}")
+    as_users = PeerServer("llama-server", "/t.gguf", 2, 8093, 4, str(binary), "m").env
+    assert as_users[TUNABLES_ENV] == "glibc.malloc.arena_max=2"
+    same = PeerServer("llama-server", "/t.gguf", 2, 8093, 4, str(binary), "m", hugepages=True).env
+    assert same[TUNABLES_ENV] == f"glibc.malloc.arena_max=2:{TUNABLE}"
+
+
 def test_llama_server_speculation_counters_are_read_from_its_prometheus_text():
     from serve_app.bench.peer_servers import spec_counters
 
