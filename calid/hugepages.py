@@ -20,6 +20,7 @@ Pure: no Ray, no model.
 """
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -47,13 +48,20 @@ def why_not(env: Mapping[str, str] = os.environ, mode: str | None = None, libc: 
     """Why huge pages cannot or should not be asked for here (None: they can)."""
     if env.get(SWITCH_ENV) == "0":
         return f"{SWITCH_ENV}=0"
-    libc = platform.libc_ver()[0] if libc is None else libc
+    libc = _machine()[0] if libc is None else libc
     if libc != "glibc":
         return "not glibc"
-    mode = thp_mode() if mode is None else mode
+    mode = _machine()[1] if mode is None else mode
     if mode not in ("always", "madvise"):
         return f"transparent huge pages {mode or 'unavailable'}"
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> tuple[str, str | None]:
+    """This machine's C library and THP mode, read once (libc_ver scans the interpreter's binary; stats() and
+    every benchmark line ask)."""
+    return platform.libc_ver()[0], thp_mode()
 
 
 def with_tunable(env: Mapping[str, str]) -> dict[str, str]:
@@ -104,5 +112,5 @@ def describe(env: Mapping[str, str] = os.environ) -> str:
     """One phrase for start-up lines and benchmark headers."""
     reason = why_not(env)
     if active(env) and reason is None:
-        return f"huge pages ({TUNABLE}, THP {thp_mode()})"
+        return f"huge pages ({TUNABLE}, THP {_machine()[1]})"
     return f"4 KiB pages ({reason or 'started without ' + TUNABLE})"
