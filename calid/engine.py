@@ -65,6 +65,7 @@ class Engine:
         self.max_position = target.max_position
         self.orchestrator = Orchestrator(tokenizer, eos_ids, self.max_position, draft is not None, default_decode)
         self.orchestrator.sliced = getattr(target, "backend", None) == "llamacpp"  # see Orchestrator
+        self.orchestrator.padding = not getattr(target, "exact", False)  # exact: fed exactly as given
         tokens = GrammarTokens(tokenizer, target.vocab_size, eos_ids)  # structured output, built on first use
         self.verifier = TargetWorker(target, lookahead, shared_trie, max_forward_tokens, tokens.masks())
         self.drafter = (DraftWorker(draft, eos_ids, extra_drafts, max_forward_tokens, tokens.masks())
@@ -163,7 +164,7 @@ class Engine:
         fed, start = self.target.stats.tokens, time.perf_counter()
         results = self.verifier.verify(tasks)
         fed = self.target.stats.tokens - fed
-        lengths = [1 + len(t.draft) for t in tasks]  # the sequences' tokens, unless the forward fed others
+        lengths = [max(1 + len(t.draft), t.level) for t in tasks]  # padded: unless the forward fed others
         self.orchestrator.observe_verify(fed, time.perf_counter() - start,
                                          lengths=lengths if fed == sum(lengths) else None)
         return results

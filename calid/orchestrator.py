@@ -33,8 +33,8 @@ from calid.decoding.modes import DecodeParams
 from calid.decoding.ngram import MAX_CHAIN, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, PlanInput, StepGuard, draft_depth, plan_steps,
-                            saved_by, step_saving)
+from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, PlanInput, StepGuard, batch_level, draft_depth,
+                            plan_steps, saved_by, step_saving)
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -92,6 +92,7 @@ class Orchestrator:
         # plans price a verification by its slices (calid.planning.split_cost), and only forwards of one slice (every
         # sequence as long) are timed into the table
         self.sliced = False
+        self.padding = True  # a sliced target pads a step's shorter chains to its level (_level); not in exact mode
         self.replica_costs: dict[Hashable, CostTable] = {}
         self.replica_of: Callable[[Hashable], Hashable | None] = lambda request_id: None
         self._acceptance: dict[Hashable, Acceptance] = {}
@@ -381,7 +382,28 @@ class Orchestrator:
                 tasks.append(self._verify_task(s, d, self._unaudited.get(s.req.request_id)))
             else:
                 events += self._append(s, d.tokens, len(d.tokens), now)
+        if self.sliced and self.padding:
+            self._level(tasks)
         return events, tasks
+
+    def _level(self, tasks: list[VerifyTask]) -> None:
+        """Where the target splits a batch into slices, pad the shorter chains of each target replica's forward
+        up to the level that prices it lowest (calid.planning.batch_level: a batch of mixed lengths costs up to
+        twice one of equal lengths). Only forwards of chains past their prefill: a prompt's or a tree's tokens
+        are not the task's draft."""
+        groups: dict[Hashable | None, list[VerifyTask]] = {}
+        for t in tasks:
+            groups.setdefault(self.replica_of(t.request_id), []).append(t)
+        for replica, group in groups.items():
+            states = [self.active[t.request_id] for t in group]
+            if len(group) < 2 or any(t.tree is not None or t.decode.is_tree or s.prefilling or not s.stats.target_calls
+                                     for t, s in zip(group, states)):
+                continue
+            lengths = [1 + len(t.draft) for t in group]
+            level = batch_level(lengths, self.verify_cost_of(replica))
+            if level > min(lengths):
+                for t in group:
+                    t.level = level
 
     def _verify_task(self, s: RequestState, d: DraftResult | None, unaudited: dict[int, float] | None
                      ) -> VerifyTask:

@@ -55,6 +55,13 @@ Terms:
                  sequence is priced as a slice of its own: one request verifying 16 tokens beside 11 plain ones
                  costs a 12-token forward plus a 16-token one (Qwen 1.5B, 2-core CPU: 593 ms, where a 28-token
                  forward of one sequence costs about 490); 6 such requests on alternate slots, 7 slices.
+                 A batch of mixed lengths thus costs up to twice one of equal lengths with as many tokens (16
+                 sequences of 1-9 tokens, 72 in all: 1.77 s; 16 of 5 tokens: 0.98 s), so the runner may pad its
+                 shorter sequences up to a level (SeqInput.pad: tokens whose cells it drops after the forward):
+                 one slice of every sequence's first L tokens, then each longer one's rest. The level is the one
+                 of the sequences' lengths that prices the forward lowest (batch_level; the shortest: no padding),
+                 and the planner prices every plan at its level, so requests whose chains can run as long as the
+                 others' at no cost do.
 """
 from __future__ import annotations
 
@@ -251,35 +258,50 @@ def _per_token(mean: float, depth: int) -> float:
     return (lo + hi) / 2
 
 
-def split_cost(lengths: list[int], verify) -> float:
-    """Seconds of a forward over sequences of these token counts on a runtime that splits a batch into slices
-    (see the module's notes): one slice of every sequence's first tokens, as many as the shortest has, then each
-    longer sequence's remaining tokens as a slice of its own."""
+def _levelled(lengths: list[int], verify, level: int) -> float:
+    """Seconds of a forward over sequences of these token counts (none empty) where the runner pads each shorter
+    than ``level`` up to it (calid.runtime.seq_input.SeqInput.pad): one slice of ``level`` tokens of every
+    sequence, then each longer sequence's remaining tokens as a slice of its own."""
+    return verify(level * len(lengths)) + sum(verify(x - level) for x in lengths if x > level)
+
+
+def batch_level(lengths: list[int], verify) -> int:
+    """The level to pad a forward's shorter sequences to (the module's notes: slices): of the sequences' own
+    lengths, the one that prices it lowest; the shortest (no padding) where that is as cheap. 0: no sequences."""
     lengths = [x for x in lengths if x > 0]
-    if not lengths:
-        return 0.0
-    low = min(lengths)
-    return verify(low * len(lengths)) + sum(verify(x - low) for x in lengths if x > low)
+    return min(sorted(set(lengths)), key=lambda level: _levelled(lengths, verify, level)) if lengths else 0
+
+
+def split_cost(lengths: list[int], verify) -> float:
+    """Seconds of a forward over sequences of these token counts on a runtime that splits a batch into slices,
+    its shorter sequences padded to the best level (batch_level; see the module's notes)."""
+    lengths = [x for x in lengths if x > 0]
+    return _levelled(lengths, verify, batch_level(lengths, verify)) if lengths else 0.0
 
 
 class _Slices:
-    """A fixed set of sequences priced by split_cost, with the price of one more sequence of any length: O(1)
-    unless it is shorter than all of them."""
+    """A fixed set of sequences priced by split_cost, with the price of one more sequence of any length: O(levels),
+    the distinct lengths among them."""
 
     def __init__(self, lengths: Counter, verify):
         self.lengths = {h: n for h, n in lengths.items() if n > 0}
         self.verify = verify
         self.count = sum(self.lengths.values())
-        self.low = min(self.lengths, default=0)
-        self.above = sum(n * verify(h - self.low) for h, n in self.lengths.items() if h > self.low)
+        # per level: the slices above it (each longer sequence's rest)
+        self.above = {level: sum(n * verify(h - level) for h, n in self.lengths.items() if h > level)
+                      for level in self.lengths}
 
     def price(self, extra: int = 0) -> float:
-        """Seconds of the forward with one more sequence of ``extra`` tokens (0: none)."""
-        if extra <= 0:
-            return self.verify(self.low * self.count) + self.above if self.count else 0.0
-        if self.count and extra >= self.low:
-            return self.verify(self.low * (self.count + 1)) + self.above + self.verify(extra - self.low)
-        return self.verify(extra * (self.count + 1)) + sum(n * self.verify(h - extra) for h, n in self.lengths.items())
+        """Seconds of the forward with one more sequence of ``extra`` tokens (0: none), at the best level."""
+        if not self.count:
+            return self.verify(extra)
+        n = self.count + (extra > 0)
+        best = min(self.verify(level * n) + above + (self.verify(extra - level) if extra > level else 0.0)
+                   for level, above in self.above.items())
+        if extra > 0 and extra not in self.above:  # the new sequence's own length as the level
+            best = min(best, self.verify(extra * n) + sum(k * self.verify(h - extra)
+                                                           for h, k in self.lengths.items() if h > extra))
+        return best
 
 
 class _CostToGo:

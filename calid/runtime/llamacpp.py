@@ -326,6 +326,7 @@ class LlamaCppRunner:
             raise ValueError("a sequence appears twice in one forward")
         pinned |= self._synced
         entries, wanted, trees = [], [], []  # entries: (token, position, slot); wanted: entries giving logits
+        padded = []  # sequences fed SeqInput.pad tokens after their own
         for inp in inputs:
             if not inp.tokens:
                 raise ValueError(f"sequence {inp.seq_id!r} has no new tokens")
@@ -345,6 +346,11 @@ class LlamaCppRunner:
             base = len(entries)
             entries += [(t, int(p), s.slot) for t, p in zip(inp.tokens[:own], positions[:own])]
             s.tokens.extend(inp.tokens[:own])
+            if inp.pad > 0 and cov is None and inp.positions is None and not self.exact:
+                pad = min(inp.pad, self.cells_per_slot - 1 - last)  # cells dropped after the forward
+                entries += [(inp.tokens[-1], last + 1 + i, s.slot) for i in range(pad)]
+                padded.append(s)
+                self.stats.padded_tokens += pad
             wanted.append([base + i for i in at] if cov is None else None)
             if cov is not None:
                 trees.append((len(wanted) - 1, s, inp, positions, at, cov, own, base))
@@ -367,6 +373,8 @@ class LlamaCppRunner:
                 mine = [i for i in call if i in flagged]
                 if mine:
                     got.update(zip(mine, self._outputs([reads[i] for i in mine])))
+        for s in padded:
+            self._trim(s, len(s.tokens))
         self.stats.tokens += len(entries)
         self.stats.forwards += 1
         self._synced.clear()

@@ -28,6 +28,10 @@ class SeqInput:
     ancestors: torch.Tensor | None = None
     logits_at: list[int] | None = None
     reads: str = "rows"  # rows | top1 | top1_nll
+    # tokens a runner that splits a batch into slices may feed after a chain's own (never returning their logits,
+    # dropping their cells after the forward) so that the batch's sequences run as one slice (calid.planning:
+    # batch_level); other runners ignore it
+    pad: int = 0
 
 
 @dataclass
@@ -37,6 +41,7 @@ class RunnerStats:
     recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
     reused_tokens: int = 0  # prompt tokens taken over from another sequence's cache instead of computed
     forked_sequences: int = 0  # sequences whose prefill was another's, forked after the forward (calid.runtime.twins)
+    padded_tokens: int = 0  # SeqInput.pad tokens fed to even a batch (in ``tokens`` too; their cells dropped)
     ubatches: int = 0  # llama.cpp: the ubatches its forwards ran as, each reading every weight (llamacpp.ubatches)
     forward_s: float = 0.0  # seconds inside the model's own forward (llama_decode; the torch model's call): a step's
     # time less this is what calid adds around the forward (calid bench modes prints it)

@@ -87,7 +87,7 @@ def forward_sharing(inputs: list[SeqInput], cached: Callable[[Hashable], list[in
         fork(inputs[j].seq_id, inp.seq_id, past[i] + shared)
         if shared < len(inp.tokens):
             own = [r - shared for r in rows_of(inp) if r >= shared]
-            tails[i] = SeqInput(inp.seq_id, inp.tokens[shared:], logits_at=own or None, reads=inp.reads,
+            tails[i] = SeqInput(inp.seq_id, inp.tokens[shared:], logits_at=own or None, reads=inp.reads, pad=inp.pad,
                                 positions=None if inp.positions is None else list(inp.positions[shared:]),
                                 ancestors=None if inp.ancestors is None else inp.ancestors[shared:, shared:])
         stats.recomputed_tokens = max(0, stats.recomputed_tokens - min(shared, len(inp.tokens) - 1))

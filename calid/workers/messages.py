@@ -75,6 +75,9 @@ class VerifyTask:
     # tokens or one of ``stop_ids``, in one call (calid.orchestrator.Orchestrator.lengthen_plain_steps)
     steps: int = 1
     stop_ids: frozenset[int] = frozenset()
+    # the step's chains are padded up to this many tokens each where they are shorter (SeqInput.pad; 0: none), so
+    # that a batch of mixed lengths runs as one slice (calid.planning.batch_level)
+    level: int = 0
 
 
 @dataclass

@@ -242,6 +242,10 @@ class TargetWorker:
         return SeqInput(t.request_id, suffix[:n])
 
     def _chain_input(self, t: VerifyTask) -> SeqInput:
+        inp = self._chain_rows(t)
+        return replace(inp, pad=t.level - len(inp.tokens)) if t.level > len(inp.tokens) else inp
+
+    def _chain_rows(self, t: VerifyTask) -> SeqInput:
         g, committed = len(t.draft), t.token_ids
         suffix = self.runner.sync(t.request_id, committed + t.draft, keep_at_most=len(committed) - 1)
         n = len(suffix)

@@ -104,6 +104,7 @@ class Router(GrpcFront):
         self.orch = Orchestrator(self.tokenizer, eos_token_ids(folder, self.tokenizer), self.max_position,
                                  has_draft=draft is not None)
         self.orch.sliced = backend == "llamacpp"
+        self.orch.padding = not self.cfg.batch_invariant  # exact forwards are fed exactly as given
         self.orch.default_decode = replace(self.orch.default_decode, mode=self.cfg.default_mode or
                                            self.orch.default_decode.mode, filter_threshold=self.cfg.filter_point)
         self.orch.audit_every = self.cfg.agreement_audit_every
@@ -478,7 +479,7 @@ class Router(GrpcFront):
             # decode steps only: a prefill's size is unknown here
             for replica, group, reply, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
                 forwards = max((r.forwards for r in reply.results), default=1)  # a run of plain steps: per step
-                lengths = [1 + len(t.draft) for t in group]
+                lengths = [max(1 + len(t.draft), t.level) for t in group]  # padded to the step's level
                 self.orch.observe_verify(sum(lengths), seconds / forwards, replica, lengths)
         return results
 

@@ -583,3 +583,32 @@ def test_twins_share_one_prefill_bit_for_bit(ll, prompts):
     assert torch.equal(step, ref7)
     for s in feeds:
         r.release(s)
+
+
+def test_padded_chains_run_as_one_ubatch_and_leave_only_their_own_cells(ll, prompts):
+    """A batch of chains of 3, 1 and 2 tokens runs as three ubatches (each reading every weight); padded to 3
+    tokens each (SeqInput.pad) it runs as one, answers the rows of the real tokens as the unpadded forward
+    does, and the pads' cells are gone after it: the next step sees only the real tokens."""
+    runner = LlamaCppRunner(ll.runner.path, slots=8, exact=False)
+    ids = ids_of(ll, prompts)
+    chains = [[42, 7, 9], [42], [42, 7]]
+
+    def step(pad: bool) -> tuple[list, list, int]:
+        for i, x in enumerate(ids):
+            runner.release(i)
+            runner.forward([SeqInput(i, list(x))])
+        before = runner.stats.ubatches
+        rows = runner.forward([SeqInput(i, c, logits_at=all_rows(len(c)), reads="top1", pad=3 - len(c) if pad else 0)
+                               for i, c in enumerate(chains)])
+        ubatches = runner.stats.ubatches - before
+        assert [runner.cached_length(i) for i in range(3)] == [len(x) + len(c) for x, c in zip(ids, chains)]
+        after = runner.forward([SeqInput(i, [5], reads="top1") for i in range(3)])
+        return rows, after, ubatches
+
+    plain_rows, plain_after, plain_ubatches = step(pad=False)
+    padded = runner.stats.padded_tokens
+    rows, after, ubatches = step(pad=True)
+    assert (plain_ubatches, ubatches) == (3, 1)
+    assert runner.stats.padded_tokens - padded == 3
+    assert rows == plain_rows and after == plain_after
+    runner.close()

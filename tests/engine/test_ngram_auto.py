@@ -55,6 +55,21 @@ def test_auto_copies_grounded_answers_and_keeps_ar_output(ll):
     assert ll.runner.cached_count() == 0
 
 
+def test_chains_padded_to_the_steps_level_keep_ar_output():
+    """Outside exact mode a step's shorter chains are padded to its level (one slice of equal lengths, see
+    calid.planning.batch_level); greedy output is still ar's (one thread, as ``one_thread`` says)."""
+    batched = open_model(TEST_MODEL, backend="llamacpp", threads=1, invariant=False, log=lambda line: None,
+                         show_progress=False)
+    ids = [encode_prompt(batched.tokenizer, p) for p in grounded_prompts(4)]
+    ar = [r.output_ids for r in run(Engine(batched.runner, batched.tokenizer, batched.eos_ids, max_batch=4), ids, "ar")]
+    engine = Engine(batched.runner, batched.tokenizer, batched.eos_ids, max_batch=4)
+    engine.set_costs(cheap_verify(), CostTable())
+    res = run(engine, ids, "auto")
+    assert batched.runner.stats.padded_tokens > 0
+    assert [r.output_ids for r in res] == ar
+    batched.runner.close()
+
+
 def test_a_copy_that_holds_runs_past_gamma_in_one_target_call(ll):
     """The model repeats a 46-token line: once the copy has agreed for a while, a step verifies
     far more copied tokens than gamma (a draft model's chain length), and the output is still ar's."""

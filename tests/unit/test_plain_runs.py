@@ -16,8 +16,8 @@ class _Tokenizer:
         return " ".join(map(str, ids))
 
 
-def _orchestrator(step_s: float = 0.040, max_position: int = 512) -> Orchestrator:
-    orch = Orchestrator(_Tokenizer(), frozenset({EOS}), max_position=max_position, has_draft=False)
+def _orchestrator(step_s: float = 0.040, max_position: int = 512, has_draft: bool = False) -> Orchestrator:
+    orch = Orchestrator(_Tokenizer(), frozenset({EOS}), max_position=max_position, has_draft=has_draft)
     for size in (1, 2, 4):
         orch.observe_verify(size, step_s * (1 + 0.1 * (size - 1)))
     return orch
@@ -116,3 +116,23 @@ def test_an_auto_request_runs_at_most_the_steps_it_made_since_it_last_drafted():
     orch._drafted_at["auto"] = len(auto.output) - 3  # as _plan records a drafting choice, 3 tokens ago
     assert run([plain, auto]) == 3
     assert run([plain]) == MAX_RUN_STEPS
+
+
+def test_a_sliced_targets_mixed_chains_are_padded_to_the_steps_level_past_their_prefill():
+    """Where the target splits a batch into slices (llama.cpp), a step of chains of 1, 5 and 3 tokens is sent
+    with level 5 on every task when one slice of 3 x 5 is cheaper than three (the worker pads the shorter ones);
+    not where the target is not sliced, not in exact mode (padding off), not while a request still prefills."""
+    from calid.workers.messages import DraftResult
+
+    def step(sliced=True, padding=True, decoded=True):
+        orch = _orchestrator(has_draft=True)
+        for size, secs in ((3, 0.06), (5, 0.07), (15, 0.10)):  # a slice of more tokens costs little more
+            orch.observe_verify(size, secs)
+        orch.sliced, orch.padding = sliced, padding
+        states = [_start(orch, r, mode="speculative", decoded=decoded or r != "c") for r in "abc"]
+        drafts = [DraftResult(r, list(range(10, 10 + g)), None, True, probs=[0.9] * g)
+                  for r, g in zip("abc", (0, 4, 2))]
+        return [t.level for t in orch.after_draft(states, drafts)[1]]
+
+    assert step() == [5, 5, 5]
+    assert step(sliced=False) == step(padding=False) == step(decoded=False) == [0, 0, 0]
