@@ -24,6 +24,23 @@ def test_the_most_recent_occurrence_wins_and_a_suffix_never_matches_itself():
     assert index([1, 2, 3, 4]).propose(4) == []  # nothing repeats
 
 
+def test_a_copy_follows_the_occurrence_the_sequence_agrees_with_longest():
+    """A docstring restated: the passage 5 6 7 8 1 2 3 4 9 9, then a short repeat 0 1 2 3 4 7, then the passage
+    again up to 1 2 3 4. The most recent occurrence of (1, 2, 3, 4) agrees for 4 tokens and proposes 7; the older
+    one agrees for 8 and proposes 9 9, which the copy takes. Among equally long agreements the most recent wins,
+    and only the last CANDIDATES occurrences are kept."""
+    from calid.decoding.ngram import CANDIDATES
+
+    ids = [5, 6, 7, 8, 1, 2, 3, 4, 9, 9] + [0, 1, 2, 3, 4, 7] + [5, 6, 7, 8, 1, 2, 3, 4]
+    assert index(ids).propose(2) == [7, 5]  # the most recent occurrence, without the walk
+    assert index(ids).copy(2) == Copy([9, 9], 8)
+    equal = [1, 2, 3, 4, 8, 20, 21, 22, 23, 24, 25, 1, 2, 3, 4, 9, 30, 31, 32, 33, 34, 35, 1, 2, 3, 4]
+    assert index(equal).copy(1) == Copy([9], 4)
+    repeats = [t for k in range(CANDIDATES) for t in [50 + 10 * k + q for q in range(6)] + [1, 2, 3, 4]]
+    older = [5, 6, 7, 8, 1, 2, 3, 4, 9, 9] + repeats + [5, 6, 7, 8, 1, 2, 3, 4]
+    assert index(older).copy(2) == Copy([5, 6], 4)  # the long-agreeing occurrence is no longer a candidate
+
+
 def test_shorter_suffixes_are_tried_down_to_min_n():
     ids = [9, 3, 4, 5, 8, 4, 5]  # (8, 4, 5) never seen, (4, 5) seen at 2..3 -> 8
     assert index(ids).propose(2) == [8, 4]
