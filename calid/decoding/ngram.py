@@ -51,7 +51,7 @@ class NgramConfig:
 
 
 class NgramIndex:
-    """Where each n-gram of one growing sequence last ended, for n in [min_n, max_n].
+    """Where each n-gram of one growing sequence ended, its latest occurrences, for n in [min_n, max_n].
 
     ``_last[n][gram]`` lists the ends (exclusive) of the latest CANDIDATES occurrences of ``gram`` *before* the
     newest one, most recent first, so the sequence's own suffix never matches itself.
