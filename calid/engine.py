@@ -164,7 +164,7 @@ class Engine:
         fed, start = self.target.stats.tokens, time.perf_counter()
         results = self.verifier.verify(tasks)
         fed = self.target.stats.tokens - fed
-        lengths = [max(1 + len(t.draft), t.level) for t in tasks]  # padded: unless the forward fed others
+        lengths = [t.fed for t in tasks]  # the sequences' tokens, unless the forward fed others
         self.orchestrator.observe_verify(fed, time.perf_counter() - start,
                                          lengths=lengths if fed == sum(lengths) else None)
         return results

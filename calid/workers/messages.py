@@ -79,6 +79,12 @@ class VerifyTask:
     # that a batch of mixed lengths runs as one slice (calid.planning.batch_level)
     level: int = 0
 
+    @property
+    def fed(self) -> int:
+        """Tokens of this task's sequence in a decode step's forward: its draft and the target's one, padded to the
+        level."""
+        return max(1 + len(self.draft), self.level)
+
 
 @dataclass
 class VerifyResult:

@@ -479,7 +479,7 @@ class Router(GrpcFront):
             # decode steps only: a prefill's size is unknown here
             for replica, group, reply, seconds in self.calls.timed["target"]:  # each replica's forward, on its own
                 forwards = max((r.forwards for r in reply.results), default=1)  # a run of plain steps: per step
-                lengths = [max(1 + len(t.draft), t.level) for t in group]  # padded to the step's level
+                lengths = [t.fed for t in group]
                 self.orch.observe_verify(sum(lengths), seconds / forwards, replica, lengths)
         return results
 
