@@ -159,19 +159,21 @@ class OpenModel:
 def open_model(spec: str, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
                log=None, graphs: str = "off", invariant: bool | None = None,
-               prompt_cache: bool = True) -> OpenModel:
+               prompt_cache: bool = True, prefill_weights: str = "auto") -> OpenModel:
     """Load ``spec`` on the chosen backend; ``log`` (default stderr) hears which one and why. ``graphs``: a
     torch model's decode graphs (ModelRunner's ``graphs``); ``invariant``: batch-invariant forwards (a row's
     logits depend only on its own sequence): a torch ModelRunner's ``invariant``, a llama.cpp runner's exact
     mode (forwards cut into calls of at most 3 rows); None: each backend's default (llama.cpp exact, torch
     not). ``prompt_cache``: a batched llama.cpp runner keeps released streams for the prefixes of later
-    sequences (LlamaCppRunner; never in exact mode). A model opened here reads its weights as shipped; only
-    ``open_draft`` may swap a draft's for a faster copy."""
+    sequences (LlamaCppRunner; never in exact mode). ``prefill_weights``: whether a batched llama.cpp runner
+    prefills prompts on unrepacked weights (calid.runtime.plain_prefill). A model opened here reads its weights
+    as shipped; only ``open_draft`` may swap a draft's for a faster copy."""
     chosen, why = pick_backend(backend, spec, device)
     say = _say(log)
     if chosen == "llamacpp":
         gguf = gguf_file(spec, show_progress)
-        return _open_gguf(spec, gguf, gguf, why, say, kv_budget_bytes, threads, invariant, prompt_cache)
+        return _open_gguf(spec, gguf, gguf, why, say, kv_budget_bytes, threads, invariant, prompt_cache,
+                          prefill_weights)
     from calid.models.loader import load_model
     from calid.runtime.runner import ModelRunner
 
@@ -188,16 +190,20 @@ def _say(log):
 
 
 def _open_gguf(spec: str, shipped: Path, weights: Path, why: str, say, kv_budget_bytes: int | None,
-               threads: int | None, invariant: bool | None, prompt_cache: bool) -> OpenModel:
+               threads: int | None, invariant: bool | None, prompt_cache: bool,
+               prefill_weights: str = "auto") -> OpenModel:
     """``spec`` on llama.cpp, reading ``weights`` (the shipped GGUF, or a draft's copy of it); the tokenizer
     and config always come from the shipped file."""
     from calid.models.gguf_meta import gguf_companion
     from calid.models.loader import eos_token_ids, load_tokenizer
-    from calid.runtime.llamacpp import LlamaCppRunner
+    from calid.runtime.llamacpp import LlamaCppRunner, default_threads
+    from calid.runtime.prefill_weights import prefill_weights as plain_prefill
 
     folder = gguf_companion(spec, shipped)
     exact = invariant is not False
-    runner = LlamaCppRunner(weights, kv_budget_bytes, threads, exact=exact, prompt_cache=prompt_cache and not exact)
+    plain = not exact and plain_prefill(weights, prefill_weights, threads or default_threads(), cpu_identity(), say)
+    runner = LlamaCppRunner(weights, kv_budget_bytes, threads, exact=exact, prompt_cache=prompt_cache and not exact,
+                            plain_prefill=plain)
     tokenizer = load_tokenizer(folder)
     say(f"[calid] {spec}: llama.cpp ({why}), {runner.describe()}")
     return OpenModel(spec, "llamacpp", "gguf", runner, tokenizer, eos_token_ids(folder, tokenizer), folder,
@@ -207,7 +213,7 @@ def _open_gguf(spec: str, shipped: Path, weights: Path, why: str, say, kv_budget
 def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
                kv_budget_bytes: int | None = None, threads: int | None = None, show_progress: bool = True,
                log=None, invariant: bool | None = None, prompt_cache: bool = True,
-               weights: str = "auto") -> OpenModel:
+               weights: str = "auto", prefill_weights: str = "auto") -> OpenModel:
     """A draft for ``target`` (an OpenModel, or the target's spec where it runs elsewhere): a model spec,
     or ``self:N``, the target's first N layers, always on torch (llama.cpp cannot run a subset of a
     model's layers). ``weights``: a llama.cpp draft's weights as shipped, as a Q4_0 copy, or (auto) the
@@ -230,10 +236,11 @@ def open_draft(spec: str, target, backend: str = "auto", dtype: str = "auto", de
 
             shipped = gguf_file(spec, show_progress)
             read = draft_weights(shipped, weights, threads or default_threads(), cpu_identity(), say)
-            draft = _open_gguf(spec, shipped, read, why, say, kv_budget_bytes, threads, invariant, prompt_cache)
+            draft = _open_gguf(spec, shipped, read, why, say, kv_budget_bytes, threads, invariant, prompt_cache,
+                               prefill_weights)
         else:
             draft = open_model(spec, backend, dtype, device, kv_budget_bytes, threads, show_progress, log,
-                               invariant=invariant, prompt_cache=prompt_cache)
+                               invariant=invariant, prompt_cache=prompt_cache, prefill_weights=prefill_weights)
         if isinstance(target, OpenModel):
             from calid.engine import check_vocab
 

@@ -23,8 +23,6 @@ draft's confident tokens, so its output can change with the draft's weights
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import statistics
 import time
@@ -34,6 +32,7 @@ from typing import Callable
 
 from calid.errors import CalidError
 from calid.paths import cache_dir
+from calid.verdicts import read_verdicts, verdict_key, write_verdict
 
 CHOICES = ("auto", "as-is", "q4_0")
 TIMED_ROWS = (1, 4)  # a draft's steps: one request alone, and a few together
@@ -127,26 +126,6 @@ def faster(shipped: dict[int, float], copy: dict[int, float]) -> bool:
     return all(copy[n] <= MIN_GAIN * shipped[n] for n in shipped)
 
 
-def _verdict_key(gguf: Path, threads: int, cpu: str) -> str:
-    flags = hashlib.sha256(cpu.encode()).hexdigest()[:12]
-    return f"{gguf.name}:{gguf.stat().st_size}:{threads}t:{flags}"
-
-
-def _read_verdicts(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # none yet, or unreadable: time again (the file is only a cache)
-
-
-def _write_verdict(path: Path, key: str, verdict: dict) -> None:
-    data = _read_verdicts(path)
-    data[key] = verdict
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.part")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-
-
 def _copy_or_none(gguf: Path, threads: int, say: Callable[[str], None]) -> Path | None:
     try:
         return make_q4_0(gguf, threads)
@@ -165,8 +144,8 @@ def draft_weights(gguf: Path, choice: str, threads: int, cpu: str,
     if choice == "q4_0":
         return make_q4_0(gguf, threads)
     verdicts = cache_dir("calibration") / VERDICTS
-    key = _verdict_key(gguf, threads, cpu)
-    verdict = _read_verdicts(verdicts).get(key)
+    key = verdict_key(gguf, threads, cpu)
+    verdict = read_verdicts(verdicts).get(key)
     if verdict is None:
         copy = _copy_or_none(gguf, threads, say)
         if copy is None:
@@ -175,7 +154,7 @@ def draft_weights(gguf: Path, choice: str, threads: int, cpu: str,
         verdict = {"q4_0": faster(shipped_ms, copy_ms),
                    "shipped_ms": {str(n): round(v, 1) for n, v in shipped_ms.items()},
                    "q4_0_ms": {str(n): round(v, 1) for n, v in copy_ms.items()}}
-        _write_verdict(verdicts, key, verdict)
+        write_verdict(verdicts, key, verdict)
     timing = ", ".join(f"{n} row{'s' * (n != '1')} {verdict['shipped_ms'][n]} -> {verdict['q4_0_ms'][n]} ms"
                        for n in verdict["shipped_ms"])
     if not verdict["q4_0"]:

@@ -47,6 +47,7 @@ import torch
 
 from calid.hugepages import describe as pages
 from calid.errors import CalidError
+from calid.runtime.plain_prefill import PLAIN_MIN_TOKENS, PlainPrefill
 from calid.runtime.runner import RunnerStats, SeqInput
 from calid.runtime.seq_cover import cover
 from calid.runtime.twins import forward_sharing
@@ -134,7 +135,7 @@ class LlamaCppRunner:
 
     def __init__(self, gguf: str | Path, kv_budget_bytes: int | None = None, threads: int | None = None,
                  slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True,
-                 prompt_cache: bool | None = None):
+                 prompt_cache: bool | None = None, plain_prefill: bool = False):
         lib = self._lib = _lib()
         gguf = Path(gguf)
         if not gguf.is_file():
@@ -172,10 +173,15 @@ class LlamaCppRunner:
             raise LlamaCppError(f"llama.cpp could not create a context of {slots} x {self.cells_per_slot} cells "
                                 f"for {gguf.name}")
         self._mem = lib.llama_get_memory(self._ctx)
+        # long runs of prompt tokens on unrepacked weights, where this CPU runs those faster (plain_prefill)
+        self.plain_min_tokens = PLAIN_MIN_TOKENS
+        self._plain = (PlainPrefill(lib, gguf, cparams.n_ctx, n_batch, self._n_ubatch, slots, self.threads)
+                       if plain_prefill and not exact else None)
         self._seqs: OrderedDict[Hashable, _Seq] = OrderedDict()  # least recently used first
         self._free = list(range(slots - 1, -1, -1))
         self._kept: OrderedDict[int, list[int]] = OrderedDict()  # prompt cache: slot -> ids it holds, LRU first
         self._synced: set = set()  # synced since the last forward: never evicted before it runs
+        self._stale: set[int] = set()  # slots copied into since the last decode (_copy_stream)
         self._batch = None
         self._batch_cap = 0
         self.evictions = 0
@@ -199,12 +205,13 @@ class LlamaCppRunner:
 
     @property
     def kv_bytes(self) -> int:
-        return self.slots * self.cells_per_slot * self.cell_bytes
+        return self.slots * self.cells_per_slot * self.cell_bytes * (2 if self._plain else 1)
 
     def describe(self) -> str:
         return (f"llama.cpp {self.path.name}, {self.threads} threads, {self.slots} sequences x "
                 f"{self.cells_per_slot} tokens of KV ({self.kv_bytes / 2**20:.0f} MiB), "
                 + ("exact (batch-invariant) forwards" if self.exact else "batched forwards")
+                + (", prompts prefilled on plain weights" if self._plain else "")
                 + f", {pages()}")
 
     @property
@@ -327,6 +334,7 @@ class LlamaCppRunner:
         pinned |= self._synced
         entries, wanted, trees = [], [], []  # entries: (token, position, slot); wanted: entries giving logits
         padded = []  # sequences fed SeqInput.pad tokens after their own
+        plain = {}  # slot -> (sequence, the tokens before its run, the run's first entry): on the plain weights
         for inp in inputs:
             if not inp.tokens:
                 raise ValueError(f"sequence {inp.seq_id!r} has no new tokens")
@@ -345,8 +353,13 @@ class LlamaCppRunner:
             own = q if cov is None else _shared_prefix(cov)  # tokens on the sequence's own slot
             base = len(entries)
             entries += [(t, int(p), s.slot) for t, p in zip(inp.tokens[:own], positions[:own])]
+            if self._plain is not None and cov is None and inp.positions is None and q >= self.plain_min_tokens:
+                # a stream llama.cpp has not finished copying (it copies between streams at the next decode)
+                # cannot be read yet: its first token goes with this context's call, which runs first
+                first = int(s.slot in self._stale)
+                plain[s.slot] = (s, s.tokens + inp.tokens[:first], base + first)
             s.tokens.extend(inp.tokens[:own])
-            if inp.pad > 0 and cov is None and inp.positions is None and not self.exact:
+            if inp.pad > 0 and cov is None and inp.positions is None and not self.exact and s.slot not in plain:
                 pad = min(inp.pad, self.cells_per_slot - 1 - last)  # cells dropped after the forward
                 entries += [(inp.tokens[-1], last + 1 + i, s.slot) for i in range(pad)]
                 padded.append(s)
@@ -369,10 +382,10 @@ class LlamaCppRunner:
                 # in slot order: llama.cpp splits a batch whose KV streams are out of order into many small
                 # ubatches, each reading every weight (12 one-token rows on slots 11..0: 3.5x the time of 0..11)
                 call = sorted((lo + i for i in call), key=lambda i: entries[i][2])
-                self._decode([entries[i] for i in call], [i in flagged for i in call], inputs)
-                mine = [i for i in call if i in flagged]
-                if mine:
-                    got.update(zip(mine, self._outputs([reads[i] for i in mine])))
+                routed = {i for i in call if entries[i][2] in plain and i >= plain[entries[i][2]][2]}
+                for part, on_plain in (([i for i in call if i not in routed], False), (sorted(routed), True)):
+                    if part:
+                        got.update(self._run(entries, part, flagged, reads, inputs, plain if on_plain else None))
         for s in padded:
             self._trim(s, len(s.tokens))
         self.stats.tokens += len(entries)
@@ -455,7 +468,35 @@ class LlamaCppRunner:
 
     # ---- llama.cpp calls -----------------------------------------------------------
 
-    def _decode(self, entries: list, flags: list[bool], inputs: list[SeqInput]) -> None:
+    def _run(self, entries: list, call: list[int], flagged: set, reads: dict, inputs: list[SeqInput],
+             plain: dict | None) -> dict:
+        """Decode the entries ``call`` indexes, on this context or (``plain``: slot -> (sequence, the tokens
+        before its run, the run's first entry)) on the plain weights' one, whose streams then replace the
+        sequences' own; the flagged entries' outputs."""
+        ctx = self._ctx
+        if plain is not None:
+            ctx = self._plain.ctx
+            for slot, (_, before, _) in plain.items():
+                self._plain.prepare(slot, before, self._ctx)
+        try:
+            self._decode([entries[i] for i in call], [i in flagged for i in call], inputs, ctx)
+            mine = [i for i in call if i in flagged]
+            out = dict(zip(mine, self._outputs([reads[i] for i in mine], ctx))) if mine else {}
+            if plain is not None:
+                start = time.perf_counter()
+                for slot, (s, _, _) in plain.items():
+                    self._plain.store(slot, s.tokens, self._ctx)
+                self.stats.forward_s += time.perf_counter() - start
+                self.stats.plain_prefill_tokens += len(call)
+            return out
+        except CalidError:
+            if plain is not None:
+                self._plain.forget()
+                for inp in inputs:
+                    self._release(inp.seq_id)
+            raise
+
+    def _decode(self, entries: list, flags: list[bool], inputs: list[SeqInput], ctx=None) -> None:
         self._ensure_batch(len(entries))
         b = self._batch
         for i, ((t, p, slot), flag) in enumerate(zip(entries, flags)):
@@ -467,21 +508,23 @@ class LlamaCppRunner:
         b.n_tokens = len(entries)
         self.stats.ubatches += len(ubatches([e[2] for e in entries], self._n_ubatch))
         start = time.perf_counter()
-        rc = self._lib.llama_decode(self._ctx, b)
+        rc = self._lib.llama_decode(ctx or self._ctx, b)
+        if ctx is None or ctx == self._ctx:
+            self._stale.clear()  # llama.cpp made its pending stream copies before this decode
         self.stats.forward_s += time.perf_counter() - start
         if rc != 0:
             for inp in inputs:  # the cache may hold part of this forward: forget these sequences
                 self._release(inp.seq_id)
             raise LlamaCppError(f"llama_decode failed (code {rc}) on {len(entries)} tokens")
 
-    def _outputs(self, reads: list[str]) -> list:
+    def _outputs(self, reads: list[str], ctx=None) -> list:
         """The last decode's output rows, in batch order, each as its input ``reads`` it (SeqInput): "top1" its
         argmax id, "top1_nll" that and its NLL, both read where llama.cpp left the row, "rows" a copied [V]
         float32 tensor. On a 2-core CPU, right after a decode, a row of Qwen's 152k logits costs 0.6-1.3 ms to
         copy out and the first torch call of a step 0.2-0.9 ms more; a greedy step here makes neither (Qwen 1.5B
         at one request, in process, time per step beside llama_decode: ar 2.8 -> 1.5 ms, auto with its longer
         verifications 4.7 -> 2.8 ms)."""
-        view = np.ctypeslib.as_array(self._lib.llama_get_logits(self._ctx), shape=(len(reads), self.vocab_size))
+        view = np.ctypeslib.as_array(self._lib.llama_get_logits(ctx or self._ctx), shape=(len(reads), self.vocab_size))
         if all(r == "rows" for r in reads):
             return list(torch.from_numpy(view.copy()))
         if all(r == "top1" for r in reads):
@@ -501,9 +544,11 @@ class LlamaCppRunner:
         self._batch = self._lib.llama_batch_init(self._batch_cap, 0, 1)
 
     def _copy_stream(self, src: int, dst: int) -> None:
-        """Make slot ``dst`` a copy of slot ``src`` (the whole stream, same cell layout)."""
+        """Make slot ``dst`` a copy of slot ``src`` (the whole stream, same cell layout). llama.cpp copies the
+        stream's data at the next decode of this context: until then ``dst`` is stale to a state read."""
         self._lib.llama_memory_seq_rm(self._mem, dst, -1, -1)
         self._lib.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._stale.add(dst)
 
     # ---- slots, sharing and eviction -------------------------------------------------
 
@@ -615,6 +660,9 @@ class LlamaCppRunner:
 
     def close(self) -> None:
         lib = self._lib
+        if getattr(self, "_plain", None) is not None:
+            self._plain.close()
+            self._plain = None
         if getattr(self, "_batch", None) is not None:
             lib.llama_batch_free(self._batch)
             self._batch = None

@@ -41,6 +41,7 @@ class RunnerStats:
     recomputed_tokens: int = 0  # tokens fed again after a cache miss or eviction
     reused_tokens: int = 0  # prompt tokens taken over from another sequence's cache instead of computed
     forked_sequences: int = 0  # sequences whose prefill was another's, forked after the forward (calid.runtime.twins)
+    plain_prefill_tokens: int = 0  # llama.cpp: prompt tokens fed to the unrepacked weights (plain_prefill)
     padded_tokens: int = 0  # SeqInput.pad tokens fed to even a batch (in ``tokens`` too; their cells dropped)
     ubatches: int = 0  # llama.cpp: the ubatches its forwards ran as, each reading every weight (llamacpp.ubatches)
     forward_s: float = 0.0  # seconds inside the model's own forward (llama_decode; the torch model's call): a step's

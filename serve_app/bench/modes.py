@@ -180,9 +180,10 @@ class _Setup:
             cfg = cfg.model_copy(update={"batch_invariant": args.batch_invariant == "on"})
         self.cfg = cfg = with_plain_run_ms(cfg, args.plain_run_ms)
         self.target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant,
-                                 prompt_cache=cfg.prompt_cache)
+                                 prompt_cache=cfg.prompt_cache, prefill_weights=cfg.prefill_weights)
         draft = open_draft(cfg.draft, self.target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant,
-                           prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights)
+                           prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights,
+                           prefill_weights=cfg.prefill_weights)
         self.engine = None if args.no_inproc else Engine(
             self.target.runner, self.target.tokenizer, self.target.eos_ids, draft=draft.runner, max_batch=top,
             max_forward_tokens=cfg.max_forward_tokens)

@@ -90,9 +90,9 @@ def run(args) -> int:
     cfg = (AppConfig if args.qwen else AppConfig.small)(grpc_port=args.port, http_port=0, max_active=args.concurrency,
                                                        prompt_cache=False)
     target = open_model(cfg.target, cfg.target_backend, cfg.dtype, invariant=cfg.batch_invariant,
-                        prompt_cache=cfg.prompt_cache)
+                        prompt_cache=cfg.prompt_cache, prefill_weights=cfg.prefill_weights)
     draft = open_draft(cfg.draft, target, cfg.draft_backend, cfg.dtype, invariant=cfg.batch_invariant,
-                       prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights)
+                       prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights, prefill_weights=cfg.prefill_weights)
     engine = Engine(target.runner, target.tokenizer, target.eos_ids, draft=draft.runner, max_batch=args.concurrency,
                     max_forward_tokens=cfg.max_forward_tokens)
     texts = humaneval_prompts(max(n, args.concurrency))

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from calid.decoding.modes import FILTER_THRESHOLD, MODES
 from calid.errors import CalidError
 from calid.models.draft_weights import CHOICES as DRAFT_WEIGHTS
+from calid.runtime.prefill_weights import CHOICES as PREFILL_WEIGHTS
 from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, FILTER_OPERATING_POINTS, TEST_MODEL
 from calid.models.self_draft import parse_self_draft
 
@@ -126,6 +127,10 @@ class AppConfig(BaseModel):
     draft_weights: str = Field("auto", description="a llama.cpp draft's weights: as-is (the GGUF as shipped), q4_0 "
                                "(a Q4_0 copy, made once), or auto: the faster of the two on this machine, timed "
                                "once (calid.models.draft_weights)")
+    prefill_weights: str = Field("auto", description="a batched llama.cpp model's prompts prefilled on its weights "
+                                 "as llama.cpp repacks them, or on a second, plain copy (as much KV again) where "
+                                 "that is faster: repacked, plain, or auto: timed once per machine "
+                                 "(calid.runtime.plain_prefill)")
     default_mode: str | None = None  # None: speculative with a draft, ar without
     filter_threshold: float | None = Field(None, ge=0, le=1, description="filter's threshold for requests that set "
                                            "none (nor min_agreement). None: the pair's operating point where calid "
@@ -236,6 +241,9 @@ class AppConfig(BaseModel):
         for role in ("target_backend", "draft_backend"):
             if getattr(self, role) not in ("auto", "torch", "llamacpp"):
                 raise ValueError(f"{role} must be auto, torch or llamacpp, got {getattr(self, role)!r}")
+        if self.prefill_weights not in PREFILL_WEIGHTS:
+            raise ValueError(f"prefill_weights must be one of {', '.join(PREFILL_WEIGHTS)}, "
+                             f"got {self.prefill_weights!r}")
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {self.draft_weights!r}")
         if self.target_backend == "llamacpp" and self.target_tp * self.target_pp > 1:

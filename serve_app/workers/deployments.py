@@ -270,7 +270,7 @@ class DraftDeployment(_WorkerBase):
         cfg = self.cfg
         lm = open_draft(cfg.draft, cfg.target, cfg.draft_backend, cfg.dtype, cfg.draft_on, self._kv_budget,
                         cfg.worker_threads, show_progress=False, log=_log, invariant=cfg.batch_invariant,
-                        prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights)
+                        prompt_cache=cfg.prompt_cache, weights=cfg.draft_weights, prefill_weights=cfg.prefill_weights)
         self._runner = lm.runner
         self.worker = DraftWorker(self._runner, lm.eos_ids, max_forward_tokens=cfg.max_forward_tokens,
                                   grammar=GrammarTokens(lm.tokenizer, self._runner.vocab_size, lm.eos_ids).masks())
@@ -317,7 +317,8 @@ class TargetDeployment(_WorkerBase):
             return
         lm = open_model(cfg.target, cfg.target_backend, cfg.dtype, cfg.target_on, self._kv_budget, cfg.worker_threads,
                         show_progress=False, log=_log, graphs="cuda" if cfg.cuda_graphs else "off",
-                        invariant=cfg.batch_invariant, prompt_cache=cfg.prompt_cache)
+                        invariant=cfg.batch_invariant, prompt_cache=cfg.prompt_cache,
+                        prefill_weights=cfg.prefill_weights)
         self._runner = lm.runner
         self.worker = TargetWorker(self._runner, max_forward_tokens=cfg.max_forward_tokens,
                                    grammar=GrammarTokens(lm.tokenizer, self._runner.vocab_size, lm.eos_ids).masks())

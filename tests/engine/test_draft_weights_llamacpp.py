@@ -12,6 +12,7 @@ from calid.models.presets import TEST_MODEL
 from calid.runtime.llamacpp import LlamaCppRunner
 from calid.runtime.runner import SeqInput
 from calid.text import encode_prompt
+from calid.verdicts import read_verdicts
 
 pytestmark = pytest.mark.model
 QUIET = dict(log=lambda line: None, show_progress=False)
@@ -49,7 +50,7 @@ def test_the_copy_is_the_same_model_in_q4_0(shipped, home):
 def test_auto_times_both_files_and_serves_a_draft_that_proves_ar(shipped, home):
     said = []
     chosen = dw.draft_weights(shipped, "auto", 2, cpu_identity(), said.append)
-    verdict = dw._read_verdicts(home / "calibration" / dw.VERDICTS)
+    verdict = read_verdicts(home / "calibration" / dw.VERDICTS)
     (v,) = verdict.values()
     assert set(v["shipped_ms"]) == set(v["q4_0_ms"]) == {"1", "4"}
     assert chosen == (dw.q4_0_path(shipped) if v["q4_0"] else shipped) and "draft weights" in said[0]

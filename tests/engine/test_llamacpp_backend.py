@@ -439,9 +439,9 @@ def test_a_forward_reaches_llama_cpp_in_slot_order_and_answers_in_input_order(ll
     assert slots != sorted(slots)  # the inputs' order is not the slots' order
     sent = []
     decode = batched._decode
-    batched._decode = lambda entries, flags, inputs: (
+    batched._decode = lambda entries, flags, inputs, ctx=None: (
         sent.append([e[2] for e in entries]),
-        decode(entries, flags, inputs),
+        decode(entries, flags, inputs, ctx),
     )
     step = batched.forward([SeqInput(s, [42, 7], logits_at=[0, 1]) for s in seqs])
     del batched._decode
