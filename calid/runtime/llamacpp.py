@@ -47,7 +47,7 @@ import torch
 
 from calid.hugepages import describe as pages
 from calid.errors import CalidError
-from calid.runtime.plain_prefill import PLAIN_MIN_TOKENS, PlainPrefill
+from calid.runtime.plain_prefill import PLAIN_MIN_TOKENS, PLAIN_RUN_TOKENS, PlainPrefill
 from calid.runtime.runner import RunnerStats, SeqInput
 from calid.runtime.seq_cover import cover
 from calid.runtime.twins import forward_sharing
@@ -174,7 +174,7 @@ class LlamaCppRunner:
                                 f"for {gguf.name}")
         self._mem = lib.llama_get_memory(self._ctx)
         # long runs of prompt tokens on unrepacked weights, where this CPU runs those faster (plain_prefill)
-        self.plain_min_tokens = PLAIN_MIN_TOKENS
+        self.plain_min_tokens, self.plain_run_tokens = PLAIN_MIN_TOKENS, PLAIN_RUN_TOKENS
         self._plain = (PlainPrefill(lib, gguf, cparams.n_ctx, n_batch, self._n_ubatch, slots, self.threads)
                        if plain_prefill and not exact else None)
         self._seqs: OrderedDict[Hashable, _Seq] = OrderedDict()  # least recently used first
@@ -335,7 +335,10 @@ class LlamaCppRunner:
         entries, wanted, trees = [], [], []  # entries: (token, position, slot); wanted: entries giving logits
         padded = []  # sequences fed SeqInput.pad tokens after their own
         plain = {}  # slot -> (sequence, the tokens before its run, the run's first entry): on the plain weights
-        for inp in inputs:
+        runs = {i for i, inp in enumerate(inputs) if self._prompt_run(inp)}
+        if sum(len(inputs[i].tokens) for i in runs) < self.plain_min_tokens:
+            runs = set()
+        for k, inp in enumerate(inputs):
             if not inp.tokens:
                 raise ValueError(f"sequence {inp.seq_id!r} has no new tokens")
             s = self._get(inp.seq_id, pinned)
@@ -353,7 +356,7 @@ class LlamaCppRunner:
             own = q if cov is None else _shared_prefix(cov)  # tokens on the sequence's own slot
             base = len(entries)
             entries += [(t, int(p), s.slot) for t, p in zip(inp.tokens[:own], positions[:own])]
-            if self._plain is not None and cov is None and inp.positions is None and q >= self.plain_min_tokens:
+            if k in runs:
                 # a stream llama.cpp has not finished copying (it copies between streams at the next decode)
                 # cannot be read yet: its first token goes with this context's call, which runs first
                 first = int(s.slot in self._stale)
@@ -467,6 +470,12 @@ class LlamaCppRunner:
             self._trim(s, len(s.tokens))
 
     # ---- llama.cpp calls -----------------------------------------------------------
+
+    def _prompt_run(self, inp: SeqInput) -> bool:
+        """A run of prompt tokens the plain weights may take: a chain after the cached tokens, long enough, asking
+        for its last row at most (a verification asks for every row)."""
+        return (self._plain is not None and inp.ancestors is None and inp.positions is None
+                and len(inp.tokens) >= self.plain_run_tokens and len(inp.logits_at or ()) <= 1)
 
     def _run(self, entries: list, call: list[int], flagged: set, reads: dict, inputs: list[SeqInput],
              plain: dict | None) -> dict:

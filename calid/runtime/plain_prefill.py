@@ -8,8 +8,8 @@ sequence, ms a forward, repacked / plain: Qwen2.5-Coder 1.5B Q4_K_M 1 token 67 /
 1377 / 1757. So which weights a prompt should meet depends on CPU and model, and is measured.
 
 ``PlainPrefill`` is a second llama.cpp context on the same GGUF loaded without repacking (its weights are
-the file's pages, mmapped). The runner (calid.runtime.llamacpp) feeds a sequence's run of at least
-``PLAIN_MIN_TOKENS`` new tokens there, then copies the sequence's whole stream into its own slot
+the file's pages, mmapped). The runner (calid.runtime.llamacpp) feeds a forward's prompt runs there when
+they bring at least ``PLAIN_MIN_TOKENS`` tokens together, then copies each sequence's whole stream into its slot
 (llama_state_seq_get_data / set_data: 7.3 MB and 5 ms for 256 tokens of Qwen 1.5B). The context keeps
 what it computed, so a prompt's next chunk (SARATHI) continues where the last one ended; a stream it does
 not hold (a prompt-cache prefix, a sequence that decoded since) is first copied over from the runner.
@@ -25,7 +25,10 @@ from pathlib import Path
 
 from calid.errors import CalidError
 
-PLAIN_MIN_TOKENS = 64  # a shorter run stays on the repacked weights (break-even measured near 32 tokens)
+PLAIN_MIN_TOKENS = 64  # a forward's prompt runs go to the plain weights when they bring this many tokens together
+PLAIN_RUN_TOKENS = 16  # a prompt run is at least this long and asks for its last row only (not a decode step, not a
+# verification): the matmuls' rows count, not one sequence's (ms repacked / plain, Qwen 1.5B: 8 sequences x 4
+# tokens 484 / 403, 4 x 4 280 / 272, 16 x 1 246 / 287)
 
 
 class PrefillWeightsError(CalidError, ValueError):

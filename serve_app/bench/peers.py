@@ -43,6 +43,7 @@ from pathlib import Path
 
 from calid.placement.traffic import DEFAULT_TRACE
 from calid.bench.data import WORKLOADS
+from calid.runtime.prefill_weights import CHOICES as PREFILL_WEIGHTS
 from serve_app.bench.peer_servers import (DEFAULT_SPEC, PEERS, PeerServer, PeerUnavailable,
                                          check_spec_configs)
 from serve_app.cluster.config import add_topology_arg
@@ -84,6 +85,8 @@ def add_parser(sub) -> None:
                    "text to edit or summarize, open chat, in turn; calid.bench.data.workload_prompts)")
     p.add_argument("--plain-run-ms", type=float, default=None, help="override calid's plain_run_ms (0: one target step "
                    "per call)")
+    p.add_argument("--prefill-weights", default=None, choices=PREFILL_WEIGHTS, help="override calid's "
+                   "prefill_weights (calid.runtime.prefill_weights; default: the app config's, auto)")
     p.add_argument("--port", type=int, default=8093, help="HTTP port each server takes in turn")
     p.add_argument("--out", default="bench_results")
     p.set_defaults(func=run)
@@ -100,7 +103,9 @@ def run(args) -> int:
     threads = args.threads or os.cpu_count() or 1
     cfg = (AppConfig.small if args.small else AppConfig)(grpc_port=_free_port(), http_port=args.port,
                                                          max_active=max(16, max(sweep)), worker_threads=threads,
-                                                         topology=args.topology)
+                                                         topology=args.topology,
+                                                         **({"prefill_weights": args.prefill_weights}
+                                                            if args.prefill_weights else {}))
     cfg = with_plain_run_ms(cfg, args.plain_run_ms)
     gguf = str(gguf_file(cfg.target, False))
     target = open_model(cfg.target, log=lambda line: None, show_progress=False)
@@ -111,7 +116,8 @@ def run(args) -> int:
     prompts = workload_prompts(args.workload, PROMPTS)
     print(f"bench peers: {cfg.target} ({Path(gguf).name}), {threads} threads; calid modes {modes}; peers {peers}; "
           f"concurrency {sweep}; {args.rounds} round(s); workload {args.workload}; at most {args.max_new_tokens} new "
-          f"tokens, greedy; calid topology {cfg.topology}; {cpu_summary()}; peers "
+          f"tokens, greedy; calid topology {cfg.topology}, prefill_weights {cfg.prefill_weights}; {cpu_summary()}; "
+          f"peers "
           f"{'with' if args.peer_hugepages else 'without (as their users start them)'} calid's huge-page tunable; "
           f"decode limit {limit:.1f} tok/s at batch 1 ({bandwidth:.1f} GB/s / {weight_bytes / 1e9:.2f} GB)",
           file=sys.stderr)

@@ -14,13 +14,13 @@ import torch
 from calid.backends import gguf_file
 from calid.models.presets import TEST_MODEL
 from calid.runtime.llamacpp import LlamaCppRunner
-from calid.runtime.plain_prefill import PrefillWeightsError
+from calid.runtime.plain_prefill import PLAIN_MIN_TOKENS, PLAIN_RUN_TOKENS, PrefillWeightsError
 from calid.runtime.prefill_weights import CHOICES, VERDICTS, check_choice, prefill_weights
 from calid.runtime.runner import SeqInput
 from calid.verdicts import read_verdicts
 
 pytestmark = pytest.mark.model
-MIN = 8  # a run this long goes to the plain context here (the prompts below are short)
+MIN = 8  # prompt runs this long, and this many tokens of them, go to the plain context here (short prompts)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def gguf():
 def pair(gguf):
     """(a runner prefilling on plain weights, one that does not), each with a prompt cache."""
     split = LlamaCppRunner(gguf, 64 << 20, exact=False, prompt_cache=True, plain_prefill=True, slots=6)
-    split.plain_min_tokens = MIN
+    split.plain_min_tokens = split.plain_run_tokens = MIN
     one = LlamaCppRunner(gguf, 64 << 20, exact=False, prompt_cache=True, plain_prefill=False, slots=6)
     yield split, one
     split.close()
@@ -63,6 +63,18 @@ def test_prompts_of_unequal_lengths_prefilled_together_then_decode_as_on_one_con
     assert_same(pair, [SeqInput("a", prompt(1, 40)), SeqInput("b", prompt(2, 23)), SeqInput("c", [5, 6])])
     assert split.stats.plain_prefill_tokens == 63  # "c" (2 tokens) ran on the repacked context
     assert_same(pair, cont("a", "b", "c"))
+
+
+def test_short_prompt_runs_go_together_and_decode_steps_and_verifications_stay(pair):
+    split, _ = pair
+    split.plain_min_tokens, split.plain_run_tokens = PLAIN_MIN_TOKENS, PLAIN_RUN_TOKENS
+    chunks = [SeqInput(f"s{k}", prompt(20 + k, 20)) for k in range(4)]  # 80 tokens together, 20 each
+    assert_same(pair, chunks)
+    assert split.stats.plain_prefill_tokens == 80
+    verify = [SeqInput(f"s{k}", [9, 8, 7, 6], logits_at=[0, 1, 2, 3]) for k in range(2)]
+    assert_same(pair, verify + [SeqInput("p", prompt(30, 40))])  # 40 prompt tokens: too few alone
+    assert_same(pair, [SeqInput(f"s{k}", [5]) for k in range(4)])
+    assert split.stats.plain_prefill_tokens == 80
 
 
 def test_a_prompt_in_chunks_continues_where_the_last_chunk_ended(pair):
