@@ -36,7 +36,8 @@ class PrefillWeightsError(CalidError, ValueError):
 
 
 class PlainPrefill:
-    """A context on the unrepacked weights with the runner's slots; ``holds`` tells what each slot has."""
+    """A context on the unrepacked weights with the runner's slots, and the tokens each of its streams holds.
+    The runner never asks it to read a slot llama.cpp still owes a copy (LlamaCppRunner._stale)."""
 
     def __init__(self, lib, gguf: Path, n_ctx: int, n_batch: int, n_ubatch: int, slots: int, threads: int):
         self._lib = lib
