@@ -62,6 +62,11 @@ def _alive(pids: list[int]) -> list[str]:
     return out
 
 
+# long enough that no stream ends between its first chunk and the drain's count (a fast CPU decodes 40 tokens of
+# SmolLM2 in well under the second the signal takes to reach the drain)
+LONG = 240
+
+
 def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
     """Two models served over TLS (the front of serve_app.ingress.tls) and over HTTP through the multi-model
     front, so the whole path is the one an operator runs."""
@@ -105,7 +110,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
         def stream(i):
             with Client(f"localhost:{port}", timeout=300, tls=tls) as c:
                 ids, started = [], False
-                for chunk in c.stream(f"Count from {i} to {i + 40}.", max_new_tokens=40, ignore_eos=True,
+                for chunk in c.stream(f"Count from {i} to {i + 40}.", max_new_tokens=LONG, ignore_eos=True,
                                       model=("small", "other")[i % 2]):
                     ids += chunk.token_ids
                     if not started:
@@ -117,7 +122,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
             with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=300) as c:
                 started = False
                 for chunk in c.completions.create(model="other", prompt="Count to fifty:",
-                                                  max_tokens=40, stream=True, extra_body={"ignore_eos": True},
+                                                  max_tokens=LONG, stream=True, extra_body={"ignore_eos": True},
                                                   stream_options={"include_usage": True}):
                     if chunk.usage is not None:
                         results["http"] = chunk.usage.completion_tokens
@@ -148,8 +153,8 @@ def test_sigterm_drains_in_flight_requests_and_leaves_no_process(self_signed):
     assert rc == 0, err[-3000:]
     # Ray tells the driver of a failed task on stdout: Serve's own shutdown used to leave one at every exit
     assert "failed" not in out, out[-3000:]
-    assert results.pop("http") == 40
-    assert sorted(results) == [0, 1, 2] and all(len(ids) == 40 for ids in results.values())
+    assert results.pop("http") == LONG
+    assert sorted(results) == [0, 1, 2] and all(len(ids) == LONG for ids in results.values())
     assert "SIGTERM: draining" in err and "4 in flight" in err and "serving gRPC over TLS" in err
     assert f"OpenAI-compatible API: {base_url}" in err
     assert "Traceback" not in err and "Fatal Python error" not in err
