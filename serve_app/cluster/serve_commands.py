@@ -129,8 +129,6 @@ def cmd_serve(args) -> int:
     the models, the app) stops at once, unless the app's proxies already took requests (they answer before the
     start returns): those drain as above. A second signal while draining stops at once (StopNow). Exit 0 (130 for
     Ctrl-C where it stops at once); every stop says in one line what it dropped."""
-    from serve_app.cluster.local import shutdown
-
     cfg = config_from_args(args)
     stop, starting, reload = threading.Event(), threading.Event(), threading.Event()
     serving = (", ".join(f"{m.name} (target {m.target}, draft {m.draft})" for m in cfg.models) if cfg.models
@@ -172,7 +170,7 @@ def cmd_serve(args) -> int:
     finally:
         _exit_if_ray_gone()
         print("[calid] shutting down Ray", file=sys.stderr)
-        shutdown()
+        _shutdown_bounded()
     return 0
 
 
@@ -228,14 +226,46 @@ class StopNow(BaseException):
         self.name = name
 
 
-def _in_flight(app: str) -> int | None:
-    """Requests the router holds (None: it cannot say)."""
+def _in_flight(app: str, timeout_s: float = 10.0) -> int | None:
+    """Requests the router holds (None: it cannot say within ``timeout_s``: a Serve stopped half-way through its
+    start may never answer, and a stop must not wait for it)."""
     from ray import serve
 
+    answer: list[int] = []
+
+    def ask():
+        try:
+            answer.append(serve.get_deployment_handle("router", app).stats.remote().result(timeout_s=5)["requests"])
+        except Exception:
+            pass
+
+    asking = threading.Thread(target=ask, name="calid-in-flight", daemon=True)
+    asking.start()
+    asking.join(timeout_s)
+    return answer[0] if answer else None
+
+
+SHUTDOWN_S = 60.0  # Ray's and Serve's own shutdown, at most; past it calid ends Ray's processes itself
+
+
+def _shutdown_bounded() -> None:
+    """Shut Serve and Ray down; if they have not within SHUTDOWN_S (a signal that lands while Ray starts can
+    leave its shutdown waiting on a start that will not finish), end Ray's processes and exit 0: a stop never
+    hangs and leaves nothing behind."""
+    from serve_app.cluster.local import abandon_ray, shutdown
+
+    def give_up():
+        print(f"[calid] Ray did not shut down within {SHUTDOWN_S:g} s; ending its processes", file=sys.stderr,
+              flush=True)
+        abandon_ray()
+
+    watchdog = threading.Timer(SHUTDOWN_S, give_up)
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        return serve.get_deployment_handle("router", app).stats.remote().result(timeout_s=5)["requests"]
-    except Exception:
-        return None
+        shutdown()
+    finally:
+        watchdog.cancel()
 
 
 class StoppedWhileStarting(BaseException):
