@@ -249,9 +249,10 @@ SHUTDOWN_S = 60.0  # Ray's and Serve's own shutdown, at most; past it calid ends
 
 
 def _shutdown_bounded() -> None:
-    """Shut Serve and Ray down; if they have not within SHUTDOWN_S (a signal that lands while Ray starts can
-    leave its shutdown waiting on a start that will not finish), end Ray's processes and exit 0: a stop never
-    hangs and leaves nothing behind."""
+    """Shut Serve and Ray down; if they have not within SHUTDOWN_S, end the Ray processes calid started
+    (abandon_ray) and exit 0: a stop never hangs and leaves nothing behind. (Once, in a full test run, a SIGTERM
+    during start-up left ``calid serve`` running past 120 s; where it waited was not caught, and 12 tries at
+    other moments of the start stopped in 11-17 s.)"""
     from serve_app.cluster.local import abandon_ray, shutdown
 
     def give_up():
