@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -212,7 +213,15 @@ class PlanInput:
         """Tokens this choice yields on average: the target's one and each draft token's chance of holding
         (a chain's or a tree's (1 - a^(g+1)) / (1 - a), a copy's 1 + S(1) + ... + S(g), Lookahead's 1 + its gain,
         at most 1 + its nodes)."""
+        if c.mode == "ngram":  # a planning step asks this of every length of the copy: sums kept, not redone
+            sums = self._copy_tokens
+            return sums[min(c.gamma, len(sums) - 1)]
         return 1.0 + sum(self.survival(c))
+
+    @functools.cached_property
+    def _copy_tokens(self) -> list[float]:
+        """1 + S(1) + ... + S(g) for g = 0 .. the copy's length."""
+        return list(itertools.accumulate(self.ngram_survival, initial=1.0))
 
     def survival(self, c: Choice) -> tuple[float, ...]:
         """S(1..g): the chance that the choice's first j draft tokens hold (empty for ar). A chain's from its
@@ -546,17 +555,17 @@ class _Step:
         certain = [x for j, x in enumerate(self.after) if j != i and j not in self.chains]
         return _Spread(certain, list(self.chains.values()), self.togo.weights, self.togo.offset, marginal=True).value
 
-    def _expected_saving(self, i: int, options: list[Choice]) -> dict[Choice, float]:
-        """Each option's saving: the cost to go now less its expected cost to go after the step (a chain's over
-        the tokens it may yield, where the step prices spread)."""
-        r, value = self.reqs[i], self._value_of_one(i)
-        out = {}
+    def _expected_saving(self, i: int, options: list[Choice]) -> list[float]:
+        """Each option's saving, in the options' order: the cost to go now less its expected cost to go after the
+        step (a chain's over the tokens it may yield, where the step prices spread)."""
+        r, value, left, start = self.reqs[i], self._value_of_one(i), self.left[i], self.togo.start
+        out = []
         for c in options:
             if outcomes := self._outcomes_of(i, c):
                 after = sum(p * value(x) for x, p in outcomes)
             else:
-                after = value(max(0.0, self.left[i] - r.tokens(c)))
-            out[c] = self.togo.start - after
+                after = value(max(0.0, left - r.tokens(c)))
+            out.append(start - after)
         return out
 
     def choose(self, i: int, options: list[Choice]) -> float:
@@ -568,8 +577,9 @@ class _Step:
         verification = self._verification()
         saving = self._expected_saving(i, options)
         extra: dict[int, list[float]] = {}  # lanes per depth -> extra draft time down to each depth
-        best, choice = -1.0, self.plan[i]
-        for c in options:
+        held = self.plan[i]
+        best, choice = -1.0, held
+        for c, saved in zip(options, saving):
             k = r.lanes(c)
             if k and k not in extra:
                 acc, sums = 0.0, [0.0]
@@ -578,8 +588,8 @@ class _Step:
                     sums.append(acc)
                 extra[k] = sums
             seconds = base + r.setup(c) + (extra[k][c.gamma] if k else 0.0) + verification(r.verified(c))
-            rate = saving[c] / seconds if seconds > 0 else 0.0
-            if rate > best * (1 + 1e-9) or (c == self.plan[i] and rate >= best):
+            rate = saved / seconds if seconds > 0 else 0.0
+            if rate > best * (1 + 1e-9) or (rate >= best and c == held):
                 best, choice = rate, c
         self.plan[i] = choice
         self._add(i, choice, +1)

@@ -1,6 +1,9 @@
 """Prompt encoding and streaming detokenization with stop strings."""
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 
 def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = True) -> list[int]:
     """Token ids for a prompt string or a list of chat messages.
@@ -15,6 +18,22 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = True) -> lis
     return tokenizer(prompt, add_special_tokens=True).input_ids
 
 
+def _decoder(tokenizer) -> Callable[[list[int]], str]:
+    """Text of token ids, special tokens skipped, spaces as the tokenizer's pieces give them. Where the tokenizer
+    is transformers' wrapper of a ``tokenizers`` one whose decode is exactly that library's (it adds only
+    conversions: some 10 us a call, two calls a streamed token), the library's own decode is called."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedTokenizerFast = None
+    cls = type(tokenizer)
+    if (backend is not None and PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
+            and cls.decode is PreTrainedTokenizerFast.decode and cls._decode is PreTrainedTokenizerFast._decode):
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 class TextStream:
     """Turns token ids into text deltas, one token at a time.
 
@@ -26,6 +45,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
+        self._decode = _decoder(tokenizer)
         self.stop = tuple(s for s in stop if s)
         self._matcher = StopMatcher(self.stop) if self.stop else None
         self.ids: list[int] = []
@@ -34,9 +54,6 @@ class TextStream:
         self.text = ""  # all complete text so far (stop string excluded once stopped)
         self.emitted = 0  # len of text handed out
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text that is now safe to show (may be empty)."""

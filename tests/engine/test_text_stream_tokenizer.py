@@ -1,0 +1,25 @@
+"""TextStream on SmolLM2's own tokenizer: the streamed deltas add up to what the tokenizer decodes, through the
+``tokenizers`` library's decode (no transformers wrapper a token), and a tokenizer of another kind keeps its own."""
+from calid.text import TextStream, _decoder
+
+TEXT = "def área(r):\n    return 3.14159 * r ** 2  # 円の面積 🙂\n\nprint(área(2))"
+
+
+def test_streamed_text_is_the_tokenizers_decode_of_the_same_ids(smol):
+    tok = smol.tokenizer
+    ids = tok(TEXT, add_special_tokens=False).input_ids + [tok.eos_token_id]  # a special token is skipped
+    stream = TextStream(tok)
+    deltas = [stream.push(i) for i in ids] + [stream.finish()]
+    assert "".join(deltas) == stream.text == tok.decode(ids, skip_special_tokens=True) == TEXT
+    assert all("\ufffd" not in d for d in deltas)  # the emoji's and the kanji's bytes span tokens
+
+
+def test_the_library_decode_is_used_only_where_it_is_the_tokenizers_own(smol):
+    tok = smol.tokenizer
+    assert _decoder(tok).func == tok.backend_tokenizer.decode
+
+    class Wrapped:  # any other tokenizer: its decode, as it defines it
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+            return "-".join(map(str, ids))
+
+    assert _decoder(Wrapped())([1, 2]) == "1-2"
