@@ -42,7 +42,7 @@ from serve_app.cluster.config import add_topology_arg
 SERVED_VS_INPROC = 0.95  # the goal: serving costs at most 5% of what the engine does in process
 COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "rounds_vs_ar", "tpot_ms", "decode_vs_ar",
            "prefill_cap", "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "nonforward_ms",
-           "inproc_nonforward_ms", "forward_ms", "inproc_forward_ms", "inproc_plan_ms", "draft_share", "guard_plain",
+           "worker_ms", "inproc_nonforward_ms", "forward_ms", "inproc_forward_ms", "inproc_plan_ms", "draft_share", "guard_plain",
            "same_as_ar", "filter_cap"]
 
 
@@ -100,6 +100,9 @@ NOTES = [  # how to read the table's columns (the report adds the decode limit a
     "model's call), per forward of the target, served (router steps) and in process: all that calid adds around "
     "a decoding step's forward (goal < 1 ms at c1; a router step that runs several plain steps in the worker is "
     "one step but several forwards); inproc_plan_ms: of which the auto planner's, per step",
+    "worker_ms: of nonforward_ms, the workers' side (their calls' time less the models' forwards): the hop to the "
+    "thread that runs the forwards and back (a thread's wake-up each way), the verify call's own work, reading "
+    "the rows' argmax; the rest of nonforward_ms is the router's (planning, bookkeeping, delivery)",
     "forward_ms / inproc_forward_ms: the target's own time per forward (llama_decode), served and in process: "
     "the same forwards run slower served where the serving processes take cores from llama.cpp's threads",
     "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
@@ -307,6 +310,7 @@ def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_f
         model_s, target_s, forwards = (b - a for a, b in zip(models, _model_forward_s(cfg)))
         return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
                 "nonforward_ms": (step_s - model_s) * 1000 / forwards if forwards else float("nan"),
+                "worker_ms": (forward - model_s) * 1000 / forwards if forwards else float("nan"),
                 "forward_ms": target_s * 1000 / forwards if forwards else float("nan"),
                 "tpot_ms": statistics.mean(_tpot_ms(r) for r in out),
                 "first_tokens_s": max(float(r.stats.get("ttft_ms", 0.0)) for r in out) / 1000,
@@ -379,7 +383,7 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
                "tpot_ms": med("tpot_ms"), "_burst_s": med("served_s"), "_first_tokens_s": med("first_tokens_s"),
                "inproc_tok_s": _median_rate(runs, "inproc_tokens", "inproc_s"),
                "serving_ms_per_step": med("serving_ms_per_step"), "nonforward_ms": med("nonforward_ms"),
-               "inproc_nonforward_ms": med("inproc_nonforward_ms"), "inproc_plan_ms": med("inproc_plan_ms"),
+               "worker_ms": med("worker_ms"), "inproc_nonforward_ms": med("inproc_nonforward_ms"), "inproc_plan_ms": med("inproc_plan_ms"),
                "forward_ms": med("forward_ms"), "inproc_forward_ms": med("inproc_forward_ms"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
