@@ -42,8 +42,8 @@ from serve_app.cluster.config import add_topology_arg
 SERVED_VS_INPROC = 0.95  # the goal: serving costs at most 5% of what the engine does in process
 COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "rounds_vs_ar", "tpot_ms", "decode_vs_ar",
            "prefill_cap", "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "nonforward_ms",
-           "worker_ms", "inproc_nonforward_ms", "forward_ms", "inproc_forward_ms", "inproc_plan_ms", "draft_share", "guard_plain",
-           "same_as_ar", "filter_cap"]
+           "worker_ms", "inproc_nonforward_ms", "forward_ms", "inproc_forward_ms", "inproc_plan_ms", "draft_share",
+           "guard_plain", "same_as_ar", "filter_cap"]
 
 
 def add_parser(sub) -> None:
@@ -383,7 +383,8 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
                "tpot_ms": med("tpot_ms"), "_burst_s": med("served_s"), "_first_tokens_s": med("first_tokens_s"),
                "inproc_tok_s": _median_rate(runs, "inproc_tokens", "inproc_s"),
                "serving_ms_per_step": med("serving_ms_per_step"), "nonforward_ms": med("nonforward_ms"),
-               "worker_ms": med("worker_ms"), "inproc_nonforward_ms": med("inproc_nonforward_ms"), "inproc_plan_ms": med("inproc_plan_ms"),
+               "worker_ms": med("worker_ms"), "inproc_nonforward_ms": med("inproc_nonforward_ms"),
+               "inproc_plan_ms": med("inproc_plan_ms"),
                "forward_ms": med("forward_ms"), "inproc_forward_ms": med("inproc_forward_ms"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
