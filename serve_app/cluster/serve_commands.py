@@ -416,7 +416,7 @@ async def _demo_requests(address: str, app: str, max_new_tokens: int, local_draf
 
 def cmd_demo(args) -> int:
     """Start the server, send real prompts in several modes concurrently, print streams and stats, shut down."""
-    from serve_app.cluster.local import serve_app, shutdown
+    from serve_app.cluster.local import serve_app
 
     cfg = config_from_args(args)
     start = time.perf_counter()
@@ -445,5 +445,5 @@ def cmd_demo(args) -> int:
                   "(docs/serving.md: Dashboard and metrics) under Metrics")
     finally:
         print("[demo] shutting down", flush=True)
-        shutdown()
+        _shutdown_bounded()
     return 0

@@ -45,3 +45,20 @@ def test_a_router_that_never_answers_is_unknown_in_time(monkeypatch):
     start = time.monotonic()
     assert serve_commands._in_flight("calid", timeout_s=0.3) is None
     assert time.monotonic() - start < 5
+
+
+def test_the_demo_stops_through_the_bounded_shutdown(monkeypatch):
+    import pytest
+
+    from serve_app.main import main
+
+    stopped = []
+
+    def no_ray(*args, **kwargs):
+        raise RuntimeError("no Ray here")
+
+    monkeypatch.setattr(local, "serve_app", no_ray)
+    monkeypatch.setattr(serve_commands, "_shutdown_bounded", lambda: stopped.append(True))
+    with pytest.raises(RuntimeError, match="no Ray here"):
+        main(["demo"])
+    assert stopped == [True]
