@@ -42,7 +42,6 @@ class TextStream:
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
         self._decode = _decoder(tokenizer)
         self.stop = tuple(s for s in stop if s)
         self._matcher = StopMatcher(self.stop) if self.stop else None

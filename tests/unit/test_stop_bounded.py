@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 import serve_app.cluster.local as local
 from serve_app.cluster import serve_commands
+from serve_app.main import main
 
 
 def test_a_shutdown_that_never_returns_is_abandoned_after_the_bound(monkeypatch, capsys):
@@ -48,10 +51,6 @@ def test_a_router_that_never_answers_is_unknown_in_time(monkeypatch):
 
 
 def test_the_demo_stops_through_the_bounded_shutdown(monkeypatch):
-    import pytest
-
-    from serve_app.main import main
-
     stopped = []
 
     def no_ray(*args, **kwargs):
