@@ -66,9 +66,30 @@ class WorkersUnavailable(Exception):
         self.code = grpc.StatusCode.UNAVAILABLE if _is_system_error(cause) else grpc.StatusCode.INTERNAL
 
 
+class InProcessWorkerError(Exception):
+    """An error the code of a worker in the router's process raised (as RayTaskError is a remote one's)."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(repr(cause))
+        self.cause = cause
+
+
+def _in_process(handle) -> bool:
+    return getattr(handle, "in_process", False) is True  # serve_app.workers.colocated.LocalHandle
+
+
+async def _worker_code(call):
+    try:
+        return await call
+    except Exception as e:
+        raise InProcessWorkerError(e) from e
+
+
 def _is_system_error(e: BaseException) -> bool:
     """A lost replica, actor or shard group, or a call that timed out (retrying elsewhere can help), not an
     error raised by the worker's code for these tasks."""
+    if isinstance(e, InProcessWorkerError):
+        return False
     if isinstance(e, RayTaskError):
         return isinstance(getattr(e, "cause", None), (RayActorError, GroupFailed))
     return True
@@ -196,13 +217,20 @@ class WorkerCalls:
         for attempt in range(retries + 1):
             placed = self._place(role, tasks)
             self.fanout[role] = max(self.fanout[role], len(placed))
-            calls = [self._send(role, handle, method, where, [self._delta(role, t, where) for t in group], report)
-                     for where, group in placed.items()]
             timed = self.timed[role] = []
+            calls = []
             try:
-                replies = await asyncio.wait_for(asyncio.gather(*(_timed(c, g, timed) for c, g in
-                                                                  zip(calls, placed.values()))),
-                                                 self.cfg.worker_call_timeout_s)
+                if _in_process(handle):  # workers in this process (engine topology): awaited in turn, in this task
+                    replies = [await _timed(self._send(role, handle, method, where,
+                                                       [self._delta(role, t, where) for t in group], report),
+                                            group, timed)
+                               for where, group in placed.items()]
+                else:
+                    calls = [self._send(role, handle, method, where, [self._delta(role, t, where) for t in group],
+                                        report) for where, group in placed.items()]
+                    replies = await asyncio.wait_for(asyncio.gather(*(_timed(c, g, timed) for c, g in
+                                                                      zip(calls, placed.values()))),
+                                                     self.cfg.worker_call_timeout_s)
                 resend = self._settle(role, placed, replies)
                 if resend:  # replicas that lacked a delta's head: the full ids, once more
                     timed.clear()  # those replicas' times cover only part of the step's work
@@ -228,7 +256,11 @@ class WorkerCalls:
                 await asyncio.sleep(min(RETRY_CAP_S, 0.2 * 2**attempt))  # a restarting replica takes seconds
 
     def _send(self, role: str, handle, method: str, where: str | None, tasks: list, report: dict):
+        """The call, awaitable: a Serve response, or for a worker in this process (LocalHandle) its coroutine,
+        run in the awaiting task (no timeout bounds it: its forwards hold the event loop a timeout would need)."""
         self.sent[role] += 1
+        if _in_process(handle):
+            return _worker_code(handle.direct(method)(tasks, report, replica=where))
         return getattr(handle, method).remote(tasks, report, replica=where)
 
     def _settle(self, role: str, placed: dict, replies: list[Reply]) -> dict[str, list]:

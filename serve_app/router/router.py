@@ -61,6 +61,9 @@ DRAFT_PROBE_S = 2.0  # while the draft is unreachable, ask this often (in the ba
 CALIBRATION_PINGS = 5  # no-op calls timed per worker role at calibration: what a call costs beside its forward
 STATS_TIMEOUT_S = 5.0  # worker_stats leaves out a worker that does not answer within this
 RETRY_AFTER_S = 1.0  # what a refusal for a full queue tells the client to wait (HTTP Retry-After)
+# inline workers (_let_streams_take): loop turns after a step for its streams to take their events; a reader in
+# process needs 2 after its queue is empty (the getter task, wait_for, the front-end), one more for Serve's own
+STREAM_TURNS, STREAM_TURNS_AFTER = 16, 3
 
 
 @dataclass
@@ -92,6 +95,9 @@ class Router(GrpcFront):
 
             draft, target = colocated_workers(self.cfg.model_dump())  # no process hop per step
         self.draft, self.target = draft, target
+        # the workers' forwards run on this loop's thread (serve_app.workers.colocated): the step loop yields after
+        # every step (_loop), or the step's events would wait for the next forward to end
+        self._inline = getattr(target, "in_process", False) is True
         backend, folder = model_facts(self.cfg.target, self.cfg.target_backend, self.cfg.target_on, self.cfg.sharded,
                                       show_progress=False)
         model_cfg = ModelConfig.from_dir(folder)
@@ -403,6 +409,22 @@ class Router(GrpcFront):
             elapsed = time.perf_counter() - start
             self._step_s += elapsed
             self._backlog.rate.add(sum(len(s.output) for s in states) - produced, elapsed)
+            if self._inline:  # the next step's forwards hold the loop: arrivals and the streams go first
+                await self._let_streams_take(states)
+
+    async def _let_streams_take(self, states: list[RequestState]) -> None:
+        """Turn the loop until the streams of ``states`` have taken this step's events (and requests that arrived
+        meanwhile have come in): a reader takes an event through a few awaits (the queue's getter, events()'s
+        wait_for, the front-end's generators), so the loop turns until every one of their queues is empty and then
+        STREAM_TURNS_AFTER more times; STREAM_TURNS at most, for a reader that does not read."""
+        queues = [r.events for s in states if (r := self._requests.get(s.req.request_id)) is not None]
+        after = STREAM_TURNS_AFTER
+        for _ in range(STREAM_TURNS):
+            await asyncio.sleep(0)
+            if all(q.empty() for q in queues):
+                after -= 1
+                if after < 0:
+                    return
 
     def _ready(self, s: RequestState) -> bool:
         """Whether a step can advance ``s`` now: an edge request waits for its client's next round."""
@@ -465,7 +487,9 @@ class Router(GrpcFront):
         return drafts
 
     async def _verify_step(self, verify: list, states: list[RequestState], edge: bool) -> list:
-        if not edge and not self._waiting:  # a request waiting for a slot would wait out the run
+        # a request waiting for a slot would wait out the run; with the forwards on this loop (inline) a run saves no
+        # round trip, and a request arriving meanwhile could not cut it
+        if not edge and not self._waiting and not self._inline:
             if self.orch.lengthen_plain_steps(verify, self.cfg.plain_run_ms / 1000) > 1:
                 self._in_runs = {self.calls.replica_of("target", t.request_id) for t in verify}
         self._max_escalation = max(self._max_escalation, len(verify))

@@ -5,8 +5,8 @@ through ``LocalHandle``, which takes the calls a Serve handle takes (``handle.ve
 replica=...)``, ``broadcast``) and runs them as tasks on the router's event loop. Everything above the handle
 (worker calls and their retries, deltas, pins, the release echo, scoring, calibration) is unchanged; what goes
 away is the process hop of every draft and target call: a step costs its forwards and the router's own work.
-The models' forwards run off the event loop on one executor thread, the target's, which the draft shares
-(``share_thread``: llama.cpp slows down for good once two threads have called it).
+The models' forwards run on the event loop's own thread, inline
+(``run_inline``: llama.cpp slows down for good once two threads have called it).
 
 The split topology (separate draft and target deployments) stays for what one process cannot do: drafts on
 other nodes, model-parallel target groups, and scaling draft and target replicas apart.
@@ -17,10 +17,17 @@ import asyncio
 
 
 class LocalHandle:
-    """A worker object in this process behind a Serve deployment handle's call shape."""
+    """A worker object in this process behind a Serve deployment handle's call shape. ``direct(method)``: the
+    worker's coroutine function itself, for a caller that awaits it in its own task (WorkerCalls: no task
+    and no loop iteration per call)."""
+
+    in_process = True
 
     def __init__(self, worker):
         self.worker = worker
+
+    def direct(self, method: str):
+        return getattr(self.worker, method)
 
     def __getattr__(self, method: str) -> "_LocalMethod":
         if method.startswith("_"):
@@ -59,8 +66,9 @@ def colocated_workers(config: dict) -> tuple[LocalHandle | None, LocalHandle]:
     from serve_app.workers.deployments import DraftDeployment, TargetDeployment
 
     target = TargetDeployment.func_or_class(config)
+    target.run_inline()  # one thread, the event loop's, calls llama.cpp for both models (see run_inline)
     if config.get("draft") is None:
         return None, LocalHandle(target)
     draft = DraftDeployment.func_or_class(config)
-    draft.share_thread(target)  # one thread calls llama.cpp (see share_thread)
+    draft.run_inline()
     return LocalHandle(draft), LocalHandle(target)

@@ -48,6 +48,8 @@ class _Batcher:
         self._run = run
         self._waiting: list[tuple[list, asyncio.Future]] = []
         self._busy = False
+        self.inline = False  # the forwards run on the caller's thread (run_inline): an idle replica's call runs now
+
 
     @property
     def busy(self) -> bool:
@@ -56,6 +58,14 @@ class _Batcher:
 
     async def submit(self, tasks: list) -> list:
         loop = asyncio.get_running_loop()
+        if self.inline and not self._busy:  # in the caller's own task: no task, no future, no loop iteration
+            self._busy = True
+            try:
+                return (await self._run([tasks]))[0]
+            finally:
+                self._busy = bool(self._waiting)
+                if self._busy:  # calls that came while this one ran (none can, while a forward holds the loop)
+                    loop.create_task(self._drain())
         done = loop.create_future()
         self._waiting.append((tasks, done))
         if not self._busy:
@@ -118,14 +128,24 @@ class _WorkerBase:
         except Exception:  # constructed outside a Serve replica (in-process tests)
             self.replica_id = f"local-{os.getpid()}-{id(self):x}"
 
-    def share_thread(self, other: "_WorkerBase") -> None:
-        """Run this worker's forwards on ``other``'s thread (the engine topology: both models in one process).
-        llama.cpp's OpenMP team belongs to the thread that calls it: once a second thread has run a forward,
-        libgomp counts more threads than cores and, from then on, sleeps its threads at every barrier rather than
-        spinning (Qwen 1.5B, one token, 2-core Xeon: 72 ms a step, 97 ms after one draft forward on another
-        thread; 70 ms with both on one). The two models' forwards never overlap anyway: each takes every core."""
+    def run_inline(self) -> None:
+        """Run this worker's model work on the calling event loop's own thread, with no executor (the engine
+        topology: both models in the router's process). A step then makes no thread hop: on a 2-core VM an
+        asyncio -> thread -> asyncio round trip costs 0.2-0.3 ms, a call's wake-up through the loop's self-pipe.
+        One thread also calls llama.cpp for both models, as it must: its OpenMP team belongs to the thread that
+        calls it, and once a second thread has run a forward, libgomp counts more threads than cores and from
+        then on sleeps its threads at every barrier rather than spinning (Qwen 1.5B, one token, 2-core Xeon:
+        72 ms a step, 97 ms after one draft forward on another thread). The loop waits while a forward runs:
+        nothing else in this process could use the cores meanwhile."""
         self._executor.shutdown(wait=True)
-        self._executor = other._executor
+        self._executor = None
+        self._batcher.inline = True
+
+    async def _on_model_thread(self, fn, *args):
+        """``fn(*args)`` where this worker's model work runs: its executor thread, or inline (run_inline)."""
+        if self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     @property
     def _kv_budget(self) -> int | None:
@@ -156,7 +176,7 @@ class _WorkerBase:
         await self._forget_idle(now)
         self._batch_started = now
         try:
-            results = await asyncio.get_running_loop().run_in_executor(self._executor, fn, flat)
+            results = await self._on_model_thread(fn, flat)
         finally:
             self._batch_started = None
         self._batches += 1
@@ -171,7 +191,7 @@ class _WorkerBase:
         for rid in request_ids:
             self._touched.pop(rid, None)
             self._ids.pop(rid, None)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._release, request_ids, final_ids)
+        await self._on_model_thread(self._release, request_ids, final_ids)
 
     async def _forget_idle(self, now: float) -> None:
         """Free caches no call has touched for cache_idle_s: their release never reached this replica."""
@@ -212,7 +232,7 @@ class _WorkerBase:
 
             runner = getattr(self, "_runner", None)
             self._costs = (
-                await asyncio.get_running_loop().run_in_executor(self._executor, measure, runner) if runner else {}
+                await self._on_model_thread(measure, runner) if runner else {}
             )
         return self._costs
 
@@ -224,9 +244,8 @@ class _WorkerBase:
         (``forked_sequences``: the n choices of a prompt; calid.runtime.twins), its forwards and, on
         llama.cpp, the ubatches they ran as (each reads every weight: more than one a forward means sequences
         of unequal length, or live sequences on scattered slots; calid.runtime.llamacpp.ubatches); sharded
-        replicas report none of these. ``forward_thread``: the thread its forwards run on (share_thread)."""
-        cached, thread = await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: (self._cached(), threading.get_ident()))
+        replicas report none of these. ``forward_thread``: the thread its forwards run on (run_inline)."""
+        cached, thread = await self._on_model_thread(lambda: (self._cached(), threading.get_ident()))
         runner = getattr(getattr(self, "_runner", None), "stats", None)
         grammar = getattr(getattr(self, "worker", None), "grammar", None)  # rows masked, seconds (structured output)
         return {"batches": self._batches, "max_batch": self._max_batch, "cached": cached, "pending": self._pending,
@@ -338,7 +357,7 @@ class TargetDeployment(_WorkerBase):
         """Process ids of this replica's shards by rank (empty when unsharded)."""
         if not self.cfg.sharded:
             return []
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.pids)
+        return await self._on_model_thread(self.worker.pids)
 
     async def verify(self, tasks: list, report: dict | None = None, replica: str | None = None) -> Reply:
         """``replica``: as in ``draft``. A call that finds a forward running (another router's) ends that
@@ -363,7 +382,7 @@ class TargetDeployment(_WorkerBase):
     async def score(self, tasks: list, replica: str | None = None) -> list:
         """Log-probabilities of the tasks' ids (calid.workers.ScoreTask), between this replica's forwards.
         ``replica``: as in ``draft`` (the one holding the request's cache, whose prefix the score reuses)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.worker.score, tasks)
+        return await self._on_model_thread(self.worker.score, tasks)
 
     def _release(self, request_ids, final_ids) -> None:
         self.worker.release(request_ids, final_ids)

@@ -76,7 +76,7 @@ def test_workers_run_in_the_routers_process_and_count_their_forwards(engine_app,
     assert after["target"]["busy_s"] > before["target"]["busy_s"]
     assert after["draft"]["busy_s"] > before["draft"]["busy_s"]
     assert after["target"]["pid"] == after["draft"]["pid"] == stats["pid"]
-    # and on one thread: llama.cpp called from a second one slows every later forward (share_thread)
+    # and on one thread: llama.cpp called from a second one slows every later forward (run_inline)
     assert after["target"]["forward_thread"] == after["draft"]["forward_thread"]
     # a no-op call to a worker costs microseconds here, not a process hop: the planner prices it so
     assert max(stats["call_overhead_ms"].values(), default=0.0) < 5.0
