@@ -425,19 +425,25 @@ class Orchestrator:
         drafted for long soon runs as long as ar. A caller whose every call has a round trip (the router: a
         few ms of transport and Python on a 2-core CPU, each step) pays it once per run instead of once per
         token; the tokens are the same, they arrive k at a time. Returns k (1: single steps)."""
+        k = self.plain_run_room(tasks, budget_s)
+        if k < 2:
+            return 1
+        for t in tasks:
+            t.steps = k
+            t.stop_ids = frozenset() if self.active[t.request_id].req.params.ignore_eos else self.eos_ids
+        return k
+
+    def plain_run_room(self, tasks: list[VerifyTask], budget_s: float) -> int:
+        """How many plain steps, this one included, a run starting at this step may take (lengthen_plain_steps,
+        which says when a step is one); 1: none. Changes nothing (a caller that runs the steps one by one may
+        still stream their tokens a run at a time)."""
         if budget_s <= 0 or not tasks or not self.verify_cost.known:
             return 1
         states = [self.active.get(t.request_id) for t in tasks]
         if any(s is None or s.prefilling or not s.stats.target_calls or t.draft or t.tree is not None
                or t.decode.mode != "ar" or t.audit_from is not None for t, s in zip(tasks, states)):
             return 1
-        k = min(MAX_RUN_STEPS, int(budget_s / self.verify_cost(len(tasks))), *map(self._run_room, states))
-        if k < 2:
-            return 1
-        for t, s in zip(tasks, states):
-            t.steps = k
-            t.stop_ids = frozenset() if s.req.params.ignore_eos else self.eos_ids
-        return k
+        return max(1, min(MAX_RUN_STEPS, int(budget_s / self.verify_cost(len(tasks))), *map(self._run_room, states)))
 
     def _run_room(self, s: RequestState) -> int:
         """Most plain steps ``s`` may take in a run: its tokens (or context) left, and for auto the steps it has

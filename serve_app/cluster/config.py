@@ -156,8 +156,9 @@ class AppConfig(BaseModel):
                                 "where drafting does not pay) runs as many target forwards in one call as fit in "
                                 "this (at most 8): the router's round trip and its per-call work are paid once per "
                                 "run, and tokens stream a run at a time; a request arriving meanwhile ends the run "
-                                "after its current forward. 0: one token per call. Topology split only: with "
-                                "engine a call costs no round trip, and every step is one forward")
+                                "after its current forward. 0: one token per call. With topology engine the steps "
+                                "run one forward a call (no round trip to save) and only their tokens go out a run "
+                                "at a time; a request arriving meanwhile starts at the next forward")
     request_timeout_s: float = Field(600.0, gt=0)
     worker_call_retries: int = Field(
         8,

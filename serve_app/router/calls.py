@@ -218,18 +218,16 @@ class WorkerCalls:
             placed = self._place(role, tasks)
             self.fanout[role] = max(self.fanout[role], len(placed))
             timed = self.timed[role] = []
+            sends = [(where, group, [self._delta(role, t, where) for t in group]) for where, group in placed.items()]
             calls = []
             try:
                 if _in_process(handle):  # workers in this process (engine topology): awaited in turn, in this task
-                    replies = [await _timed(self._send(role, handle, method, where,
-                                                       [self._delta(role, t, where) for t in group], report),
-                                            group, timed)
-                               for where, group in placed.items()]
+                    replies = [await _timed(self._send(role, handle, method, where, sent, report), group, timed)
+                               for where, group, sent in sends]
                 else:
-                    calls = [self._send(role, handle, method, where, [self._delta(role, t, where) for t in group],
-                                        report) for where, group in placed.items()]
-                    replies = await asyncio.wait_for(asyncio.gather(*(_timed(c, g, timed) for c, g in
-                                                                      zip(calls, placed.values()))),
+                    calls = [self._send(role, handle, method, where, sent, report) for where, _, sent in sends]
+                    replies = await asyncio.wait_for(asyncio.gather(*(_timed(c, group, timed) for c, (_, group, _)
+                                                                      in zip(calls, sends))),
                                                      self.cfg.worker_call_timeout_s)
                 resend = self._settle(role, placed, replies)
                 if resend:  # replicas that lacked a delta's head: the full ids, once more

@@ -98,6 +98,9 @@ class Router(GrpcFront):
         # the workers' forwards run on this loop's thread (serve_app.workers.colocated): the step loop yields after
         # every step (_loop), or the step's events would wait for the next forward to end
         self._inline = getattr(target, "in_process", False) is True
+        self._run_left = 0  # inline: steps left in the run of plain steps this step belongs to (_count_run)
+        self._run_counted = False  # inline: whether _count_run saw the step running now
+        self._held: list[StreamEvent] = []  # inline: the run's tokens so far, delivered at its last step
         backend, folder = model_facts(self.cfg.target, self.cfg.target_backend, self.cfg.target_on, self.cfg.sharded,
                                       show_progress=False)
         model_cfg = ModelConfig.from_dir(folder)
@@ -391,6 +394,7 @@ class Router(GrpcFront):
             self._metrics.queue_depth.set(len(self._waiting))
             self._metrics.active.set(len(self.orch.active))
             if not states:
+                self._flush_held()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -462,6 +466,7 @@ class Router(GrpcFront):
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
                   for r in edge for s in [self.orch.active[r.req.request_id]]}
         step = self.orch.step(states, [self._edge_draft(r) for r in edge])
+        self._run_counted = False
         io = advance(step)
         while io is not None:
             if isinstance(io, DraftCall):
@@ -469,6 +474,8 @@ class Router(GrpcFront):
             elif isinstance(io, VerifyCall):
                 io = advance(step, await self._verify_step(io.tasks, states, bool(edge)))
             else:
+                if not self._run_counted:  # a step with no target call (filter's early acceptance) is not a plain one
+                    self._run_left = 0
                 self._deliver(io.events)
                 io = advance(step)
         self._end_rounds(edge, before)
@@ -487,9 +494,9 @@ class Router(GrpcFront):
         return drafts
 
     async def _verify_step(self, verify: list, states: list[RequestState], edge: bool) -> list:
-        # a request waiting for a slot would wait out the run; with the forwards on this loop (inline) a run saves no
-        # round trip, and a request arriving meanwhile could not cut it
-        if not edge and not self._waiting and not self._inline:
+        if self._inline:  # one forward a call (an arrival could not cut a run holding the loop); a run streams
+            self._count_run(1 if edge else self.orch.plain_run_room(verify, self.cfg.plain_run_ms / 1000))
+        elif not edge and not self._waiting:  # a request waiting for a slot would wait out the run
             if self.orch.lengthen_plain_steps(verify, self.cfg.plain_run_ms / 1000) > 1:
                 self._in_runs = {self.calls.replica_of("target", t.request_id) for t in verify}
         self._max_escalation = max(self._max_escalation, len(verify))
@@ -598,7 +605,24 @@ class Router(GrpcFront):
         for size, secs in draft.items():
             self.orch.observe_draft(size, 1, secs + draft_trip)
 
+    def _count_run(self, room: int) -> None:
+        """Inline workers: where this step could start a run of ``room`` plain steps (Orchestrator.plain_run_room),
+        the router runs them one forward at a time but holds their tokens until the run's last step, so they stream
+        as one chunk, as a run's do in the split topology (a chunk costs the serving processes a message through
+        Serve's proxy: on 2 cores, CPU taken from llama.cpp's threads). A step that is not plain ends the run."""
+        self._run_counted = True
+        if room < 2:
+            self._run_left = 0
+        elif self._run_left >= 2:
+            self._run_left -= 1
+        else:
+            self._run_left = room
+
     def _deliver(self, events: list[StreamEvent]) -> None:
+        if self._run_left >= 2 and all(e.result is None for e in events):
+            self._held += events  # a run's tokens, for its last step (_count_run)
+            return
+        events, self._held = self._held + events, []
         for e in events:
             r = self._requests.get(e.request_id)
             if r is not None:
@@ -614,12 +638,19 @@ class Router(GrpcFront):
                         log.exception("calid router: recording metrics failed")
 
     def _deliver_failure(self, rid: str, failure: Failure) -> None:
+        self._flush_held()  # a stream's tokens before its failure
         r = self._requests.get(rid)
         if r is not None:
             r.events.put_nowait(failure)
         s = self.orch.finish(rid)
         if s is not None:
             self.calls.release([s])
+
+    def _flush_held(self) -> None:
+        """Deliver what a run holds now (the run ends)."""
+        self._run_left = 0
+        if self._held:
+            self._deliver([])
 
     def _finish(self, done: list[RequestState]) -> None:
         for s in done:

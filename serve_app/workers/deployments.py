@@ -50,7 +50,6 @@ class _Batcher:
         self._busy = False
         self.inline = False  # the forwards run on the caller's thread (run_inline): an idle replica's call runs now
 
-
     @property
     def busy(self) -> bool:
         """A forward is running (a call submitted now waits for the next one)."""
