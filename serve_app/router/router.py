@@ -62,7 +62,8 @@ CALIBRATION_PINGS = 5  # no-op calls timed per worker role at calibration: what 
 STATS_TIMEOUT_S = 5.0  # worker_stats leaves out a worker that does not answer within this
 RETRY_AFTER_S = 1.0  # what a refusal for a full queue tells the client to wait (HTTP Retry-After)
 # inline workers (_let_streams_take): loop turns after a step for its streams to take their events; a reader in
-# process needs 2 after its queue is empty (the getter task, wait_for, the front-end), one more for Serve's own
+# process needs 2 after its queue is empty (the getter task, wait_for, the front-end: tests/serve/test_inline_workers);
+# one more is a margin for Serve's replica wrapper, not measured
 STREAM_TURNS, STREAM_TURNS_AFTER = 16, 3
 
 
