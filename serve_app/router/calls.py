@@ -74,8 +74,9 @@ class InProcessWorkerError(Exception):
         self.cause = cause
 
 
-def _in_process(handle) -> bool:
-    return getattr(handle, "in_process", False) is True  # serve_app.workers.colocated.LocalHandle
+def in_process(handle) -> bool:
+    """Whether ``handle`` stands for a worker in this process (serve_app.workers.colocated.LocalHandle)."""
+    return getattr(handle, "in_process", False) is True
 
 
 async def _worker_code(call):
@@ -221,7 +222,7 @@ class WorkerCalls:
             sends = [(where, group, [self._delta(role, t, where) for t in group]) for where, group in placed.items()]
             calls = []
             try:
-                if _in_process(handle):  # workers in this process (engine topology): awaited in turn, in this task
+                if in_process(handle):  # workers in this process (engine topology): awaited in turn, in this task
                     replies = [await _timed(self._send(role, handle, method, where, sent, report), group, timed)
                                for where, group, sent in sends]
                 else:
@@ -257,7 +258,7 @@ class WorkerCalls:
         """The call, awaitable: a Serve response, or for a worker in this process (LocalHandle) its coroutine,
         run in the awaiting task (no timeout bounds it: its forwards hold the event loop a timeout would need)."""
         self.sent[role] += 1
-        if _in_process(handle):
+        if in_process(handle):
             return _worker_code(handle.direct(method)(tasks, report, replica=where))
         return getattr(handle, method).remote(tasks, report, replica=where)
 

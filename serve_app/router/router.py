@@ -49,7 +49,7 @@ from serve_app.ingress.auth import AuthConfigError, allowed, load_keys
 from serve_app.ingress.frontdoor import FRONTENDS, Caller, Refused
 from serve_app.ingress.grpc import GrpcFront
 from serve_app.ingress.outputs import IDLE
-from serve_app.router.calls import Failure, RoundEnd, WorkerCalls, WorkersUnavailable, answered
+from serve_app.router.calls import Failure, RoundEnd, WorkerCalls, WorkersUnavailable, answered, in_process
 from serve_app.router.metrics import RouterMetrics, meets_slo
 
 log = logging.getLogger("ray.serve")
@@ -98,9 +98,8 @@ class Router(GrpcFront):
         self.draft, self.target = draft, target
         # the workers' forwards run on this loop's thread (serve_app.workers.colocated): the step loop yields after
         # every step (_loop), or the step's events would wait for the next forward to end
-        self._inline = getattr(target, "in_process", False) is True
+        self._inline = in_process(target)
         self._run_left = 0  # inline: steps left in the run of plain steps this step belongs to (_count_run)
-        self._run_counted = False  # inline: whether _count_run saw the step running now
         self._held: list[StreamEvent] = []  # inline: the run's tokens so far, delivered at its last step
         backend, folder = model_facts(self.cfg.target, self.cfg.target_backend, self.cfg.target_on, self.cfg.sharded,
                                       show_progress=False)
@@ -467,15 +466,16 @@ class Router(GrpcFront):
         before = {r.req.request_id: (len(s.output), s.stats.draft_tokens)  # to tell when each edge round is used
                   for r in edge for s in [self.orch.active[r.req.request_id]]}
         step = self.orch.step(states, [self._edge_draft(r) for r in edge])
-        self._run_counted = False
+        verified = False
         io = advance(step)
         while io is not None:
             if isinstance(io, DraftCall):
                 io = advance(step, await self._draft_step(io.tasks))
             elif isinstance(io, VerifyCall):
+                verified = True
                 io = advance(step, await self._verify_step(io.tasks, states, bool(edge)))
             else:
-                if not self._run_counted:  # a step with no target call (filter's early acceptance) is not a plain one
+                if not verified:  # a step with no target call (filter's early acceptance) is not a plain one
                     self._run_left = 0
                 self._deliver(io.events)
                 io = advance(step)
@@ -611,7 +611,6 @@ class Router(GrpcFront):
         the router runs them one forward at a time but holds their tokens until the run's last step, so they stream
         as one chunk, as a run's do in the split topology (a chunk costs the serving processes a message through
         Serve's proxy: on 2 cores, CPU taken from llama.cpp's threads). A step that is not plain ends the run."""
-        self._run_counted = True
         if room < 2:
             self._run_left = 0
         elif self._run_left >= 2:

@@ -2,7 +2,8 @@
 
 With ``topology: engine`` the router replica builds both worker deployments' classes itself and calls them
 through ``LocalHandle``, which takes the calls a Serve handle takes (``handle.verify.remote(tasks, report,
-replica=...)``, ``broadcast``) and runs them as tasks on the router's event loop. Everything above the handle
+replica=...)``, ``broadcast``) and runs them as tasks on the router's event loop (the step's draft and verify calls:
+awaited directly in the step's task, ``direct``). Everything above the handle
 (worker calls and their retries, deltas, pins, the release echo, scoring, calibration) is unchanged; what goes
 away is the process hop of every draft and target call: a step costs its forwards and the router's own work.
 The models' forwards run on the event loop's own thread, inline
