@@ -33,8 +33,8 @@ from calid.decoding.modes import DecodeParams
 from calid.decoding.ngram import MAX_CHAIN, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, PlanInput, StepGuard, batch_level, draft_depth,
-                            plan_steps, saved_by, step_saving)
+from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, GroupPlan, PlanInput, StepGuard, batch_level,
+                            draft_depth, plan_group)
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -111,10 +111,10 @@ class Orchestrator:
         # step plain
         self.guard: StepGuard | None = StepGuard()  # None: plans are followed as made (pinned cost tables)
         # this step's states, how deep it drafts (calid.planning.draft_depth; 0: plain), each one's output length
-        # before it, what the planner forecast of it, and per target replica what its saving is judged by (the auto
-        # requests' plan inputs, the replica's cost table and its other requests)
+        # before it, what the planner forecast of it, and per target replica its auto requests and their plan (which
+        # judges what the step saved)
         self._timed_step: tuple[list[RequestState], int, list[int], Forecast,
-                                list[tuple[list[RequestState], list[PlanInput], CostTable, int]]] | None = None
+                                list[tuple[list[RequestState], GroupPlan]]] | None = None
         # the draft model's catch-up: seconds per token it prefills (measured by the caller), and how many of each
         # request's ids its last draft task carried (what its cache holds, unless evicted)
         self.draft_prefill_s = 0.0
@@ -231,8 +231,7 @@ class Orchestrator:
             states, depth, before, forecast, groups = self._timed_step
             self._timed_step = None
             made = {id(s): len(s.output) - n for s, n in zip(states, before)}
-            saved = sum(saved_by(inputs, [made[id(s)] for s in auto], verify, fixed)
-                        for auto, inputs, verify, fixed in groups)
+            saved = sum(planned.saved([made[id(s)] for s in auto]) for auto, planned in groups)
             self.guard.observe(len(states), depth, seconds, sum(made.values()), saved, forecast)
 
     def decode_of(self, s: RequestState) -> DecodeParams:
@@ -307,12 +306,11 @@ class Orchestrator:
             if auto:
                 inputs = [self._plan_input(s) for s in auto]
                 verify, fixed = self.verify_cost_of(replica), len(group) - len(auto)
-                chosen = plan_steps(inputs, verify, draft_cost, fixed, sliced=self.sliced)
-                plans += zip(auto, chosen)
-                extra += [r.tokens(c) - 1 for r, c in zip(inputs, chosen)]
-                groups.append((auto, inputs, verify, fixed))
-                saves, secs = step_saving(chosen, inputs, verify, draft_cost, fixed, self.sliced)
-                plain_saves, plain_secs = step_saving([AR] * len(auto), inputs, verify, draft_cost, fixed, self.sliced)
+                planned = plan_group(inputs, verify, draft_cost, fixed, sliced=self.sliced)
+                plans += zip(auto, planned.chosen)
+                extra += [r.tokens(c) - 1 for r, c in zip(inputs, planned.chosen)]
+                groups.append((auto, planned))
+                (saves, secs), (plain_saves, plain_secs) = planned.forecast, planned.plain
                 saving, seconds = saving + saves, max(seconds, secs)
                 plain_saving, plain_seconds = plain_saving + plain_saves, max(plain_seconds, plain_secs)
         forecast = Forecast(saving, seconds, plain_saving, plain_seconds)

@@ -346,7 +346,10 @@ class Router(GrpcFront):
         while True:
             left = max(0.0, r.deadline - time.monotonic())
             try:
-                item = await asyncio.wait_for(r.events.get(), timeout=left if idle_s is None else min(left, idle_s))
+                if left and not r.events.empty():  # a step's burst: no timer and task per event (wait_for's)
+                    item = r.events.get_nowait()
+                else:
+                    item = await asyncio.wait_for(r.events.get(), timeout=left if idle_s is None else min(left, idle_s))
             except asyncio.TimeoutError:
                 if idle_s is not None and r.deadline > time.monotonic():
                     yield IDLE

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calid.planning import (AR, Acceptance, Choice, CostTable, PlanInput, batch_level, expected_tokens, guard_bucket,
-                            plan_steps, NO_END, _Problem, _Step, _search, split_cost, step_rate, step_saving)
+                            plan_group, plan_steps, NO_END, _Problem, _Step, _search, split_cost, step_rate,
+                            step_saving)
 
 
 def table(points: dict[int, float]) -> CostTable:
@@ -520,14 +521,33 @@ def _auto_requests(verify: dict[int, float], draft: dict[int, float], rids: str,
 
 def test_a_step_saves_what_its_tokens_spare_later_plain_steps():
     """A token of the request furthest behind spares a whole later step; one of a request ahead of it, its row."""
-    from calid.planning import saved_by
-
     rows = table({1: 0.075, 2: 0.096, 3: 0.117, 4: 0.138})  # a plain step of k requests: 75 ms + 21 ms a row
     reqs = [PlanInput(alpha=0.5, cap=4, remaining=96) for _ in range(4)]
-    assert saved_by(reqs, [1, 1, 1, 1], rows) == pytest.approx(0.138)  # a plain step saves itself
-    assert saved_by(reqs, [17, 17, 17, 1], rows) == pytest.approx(0.075 + 3 * 16 * 0.021 + 3 * 0.021)
-    assert saved_by(reqs, [17, 17, 17, 17], rows) == pytest.approx(17 * 0.138)  # all together: whole steps
-    assert saved_by(reqs[:1], [5], rows) == pytest.approx(5 * 0.075)  # one request: its tokens per second
+
+    def saved_by(inputs, produced):
+        return plan_group(inputs, rows, CostTable()).saved(produced)
+
+    assert saved_by(reqs, [1, 1, 1, 1]) == pytest.approx(0.138)  # a plain step saves itself
+    assert saved_by(reqs, [17, 17, 17, 1]) == pytest.approx(0.075 + 3 * 16 * 0.021 + 3 * 0.021)
+    assert saved_by(reqs, [17, 17, 17, 17]) == pytest.approx(17 * 0.138)  # all together: whole steps
+    assert saved_by(reqs[:1], [5]) == pytest.approx(5 * 0.075)  # one request: its tokens per second
+
+
+@pytest.mark.parametrize("reqs", [
+    [PlanInput(alpha=0.8, cap=6, remaining=40)],  # one request: drafts
+    [PlanInput(alpha=0.1, cap=6, remaining=40)],  # one request: plain
+    [PlanInput(alpha=0.8, cap=6, remaining=40 + k) for k in range(3)],  # several: drafts, priced over its spread
+    [PlanInput(alpha=0.05, cap=6, remaining=40 + k) for k in range(3)],  # several: plain
+])
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_group_plan_is_plan_steps_with_the_forecasts_step_saving_makes(reqs, sliced):
+    """plan_group shares one plain step's terms between the plan and its forecasts: the same choices and numbers as
+    planning and pricing each anew."""
+    chosen = plan_steps(reqs, GPU_LIKE, CHEAP_DRAFT, 1, sliced=sliced)
+    planned = plan_group(reqs, GPU_LIKE, CHEAP_DRAFT, 1, sliced=sliced)
+    assert planned.chosen == chosen
+    assert planned.forecast == pytest.approx(step_saving(chosen, reqs, GPU_LIKE, CHEAP_DRAFT, 1, sliced))
+    assert planned.plain == pytest.approx(step_saving([AR] * len(reqs), reqs, GPU_LIKE, CHEAP_DRAFT, 1, sliced))
 
 
 def test_the_guard_stops_copies_that_leave_one_request_behind_though_their_tokens_come_cheaper():
