@@ -449,17 +449,18 @@ def test_the_guard_follows_the_planner_where_forecasts_hold_with_a_plain_step_no
     g = _guard_after(plain_ms=26.0, drafted_ms=15.0)
     verdicts = [g.allow(4, 2, _forecast(15.0)) for _ in range(2 * GUARD_EXPLORE)]
     assert verdicts.count(False) == 2
-    clear_win = _guard_after(plain_ms=26.0, drafted_ms=24.8)  # 4.6% cheaper: past the margin
-    assert sum(clear_win.allow(4, 2, _forecast(24.8)) for _ in range(GUARD_EXPLORE)) == GUARD_EXPLORE - 1
+    clear_win = _guard_after(plain_ms=26.0, drafted_ms=23.0)  # 11.5% cheaper: past the margin
+    assert sum(clear_win.allow(4, 2, _forecast(23.0)) for _ in range(GUARD_EXPLORE)) == GUARD_EXPLORE - 1
 
 
 def test_a_tie_or_a_win_inside_the_margin_runs_plain():
     """Drafting that measures about as fast as plain steps (closed-loop n-gram chains at 8 requests: 37.3 against
-    36.7 ms per token) costs the target more tokens than it saves: the server's own choice must not lose, so
-    drafting runs only where it is measurably faster."""
+    36.7 ms per token; the mix workload in a closed loop at 4 requests: 0.92-1.03x ar at a 3% margin, 1.04-1.06x at
+    10%) costs the target more tokens than it saves: the server's own choice must not lose, so drafting runs only
+    where it is measurably faster."""
     from calid.planning import GUARD_EXPLORE
 
-    for drafted_ms in (26.4, 26.0, 25.6):  # 1.5% dearer, equal, 1.5% cheaper: all inside the 3% margin
+    for drafted_ms in (26.4, 26.0, 25.6, 24.0):  # 1.5% dearer, equal, 1.5% and 8% cheaper: inside the 10% margin
         g = _guard_after(plain_ms=26.0, drafted_ms=drafted_ms)
         assert sum(g.allow(4, 2, _forecast(drafted_ms)) for _ in range(GUARD_EXPLORE)) == 1  # only the exploring step
 
