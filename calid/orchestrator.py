@@ -33,8 +33,8 @@ from calid.decoding.modes import DecodeParams
 from calid.decoding.ngram import MAX_CHAIN, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
-from calid.planning import (AR, Acceptance, CostTable, Forecast, Gain, GroupPlan, PlanInput, StepGuard, batch_level,
-                            draft_depth, plan_group)
+from calid.planning import (AR, Acceptance, Choice, CostTable, Forecast, Gain, GroupPlan, PlanInput, StepGuard,
+                            batch_level, draft_depth, plan_group)
 from calid.workers.messages import DraftResult, DraftTask, VerifyResult, VerifyTask
 
 ADAPT_STEP = 0.05  # LLMCad-style threshold adaptation per verification
@@ -294,6 +294,9 @@ class Orchestrator:
         replica's costs and beside that replica's other work (replicas run their forwards side by side)."""
         if not any(s.req.decode.mode == "auto" for s in states):
             return
+        if self.guard is not None and not self.guard.plans(len(states)):  # drafting at this size measurably loses
+            self._follow([(s, AR) for s in states if s.req.decode.mode == "auto"])
+            return
         draft_cost = self.draft_cost if self.has_draft else CostTable()  # no draft model: no chains or trees
         by_replica: dict[Hashable | None, list[RequestState]] = {}
         for s in states:
@@ -323,6 +326,10 @@ class Orchestrator:
         if all(s.stats.target_calls for s in states):
             timed = forecast if depth else Forecast.plain(plain_saving, plain_seconds)
             self._timed_step = (states, depth, [len(s.output) for s in states], timed, groups)
+        self._follow(plans)
+
+    def _follow(self, plans: list[tuple[RequestState, Choice]]) -> None:
+        """This step's mode of each planned request."""
         self.planned.update(c.mode for _, c in plans)
         for s, c in plans:
             rid = s.req.request_id

@@ -177,7 +177,8 @@ class Router(GrpcFront):
                 "call_overhead_ms": {k: round(1000 * v, 2) for k, v in self.call_overhead_s.items()},
                 "costs_known": self.orch.verify_cost.known,  # the planner has forward costs (calibrated or live)
                 "pages": pages(),  # this replica's malloc: huge pages or 4 KiB (calid.hugepages)
-                "guard": {"overruled": self.orch.guard.overruled, "ms_per_token": self.orch.guard.summary()}
+                "guard": {"overruled": self.orch.guard.overruled, "unplanned": self.orch.guard.unplanned,
+                          "ms_per_token": self.orch.guard.summary()}
                 if self.orch.guard is not None else {},
                 "agreement": {"audited_tokens": self.orch.audited[1], "agreed_tokens": self.orch.audited[0],
                               "draft_top1_match": self.orch.agreement.agreement_rate,

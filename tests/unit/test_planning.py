@@ -595,7 +595,24 @@ def test_an_orchestrator_stops_drafting_where_its_steps_measurably_lose():
             s.output.append(9)
             s.token_ids.append(9)
         orch.observe_step(0.100 if tasks else 0.040)  # and drafting steps cost 2.5x
-    assert orch.guard.overruled > 40 and drafted_steps < 15
+    assert orch.guard.overruled + orch.guard.unplanned > 40 and drafted_steps < 15
+    assert orch.guard.unplanned > 20  # past the first measures most steps are not even planned (StepGuard.plans)
+
+
+def test_the_guard_plans_only_where_drafting_steps_measurably_saved_more_and_still_explores():
+    """A step not worth planning costs nothing beside its forward: at 16 requests the planner took 5-11 ms of a
+    330 ms plain step, where the drafting steps it let through did no better than plain ones."""
+    from calid.planning import GUARD_EXPLORE, StepGuard
+
+    assert StepGuard().plans(4)  # nothing measured: plan
+    loses = _guard_after(plain_ms=26.0, drafted_ms=30.0, forecast_ms=20.0)
+    tie = _guard_after(plain_ms=26.0, drafted_ms=25.0)  # 4% cheaper: inside the margin
+    wins = _guard_after(plain_ms=26.0, drafted_ms=20.0)
+    for g in (loses, tie):
+        assert [g.plans(4) for _ in range(2 * GUARD_EXPLORE)].count(True) == 2  # only the exploring steps
+        assert g.unplanned == 2 * GUARD_EXPLORE - 2
+        assert g.plans(2) and g.plans(12)  # other batch sizes are judged by their own steps
+    assert all(wins.plans(4) for _ in range(2 * GUARD_EXPLORE)) and wins.unplanned == 0
 
 
 def test_steps_that_prefill_a_new_request_are_not_timed_by_the_guard():
