@@ -475,10 +475,15 @@ class LlamaCppRunner:
     # ---- llama.cpp calls -----------------------------------------------------------
 
     def _prompt_run(self, inp: SeqInput) -> bool:
-        """A run of prompt tokens the plain weights may take: a chain after the cached tokens, long enough, asking
-        for its last row at most (a verification asks for every row)."""
-        return (self._plain is not None and inp.ancestors is None and inp.positions is None
-                and len(inp.tokens) >= self.plain_run_tokens and len(inp.logits_at or ()) <= 1)
+        """A run of prompt tokens the plain weights may take: a chain after the cached tokens whose rows asked for
+        come after at least ``plain_run_tokens`` tokens and are fewer than the tokens before them. So a prompt,
+        and a prompt with a draft chain to judge after it (filter's first call), but not a verification of the
+        draft alone (every row) nor a decode step."""
+        if self._plain is None or inp.ancestors is not None or inp.positions is not None:
+            return False
+        at = inp.logits_at if inp.logits_at is not None else [len(inp.tokens) - 1]
+        before = min(at, default=len(inp.tokens) - 1)  # tokens before the first row asked for
+        return before + 1 >= self.plain_run_tokens and len(at) <= before
 
     def _run(self, entries: list, call: list[int], flagged: set, reads: dict, inputs: list[SeqInput],
              plain: dict | None) -> dict:

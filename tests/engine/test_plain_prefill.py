@@ -77,6 +77,21 @@ def test_short_prompt_runs_go_together_and_decode_steps_and_verifications_stay(p
     assert split.stats.plain_prefill_tokens == 80
 
 
+def test_a_prompt_with_a_draft_chain_to_judge_after_it_is_prefilled_on_the_plain_weights(pair):
+    """filter's first call: the prompt, then the draft's chain, rows asked only at the chain. Its rows are read
+    from the plain context (bit-identical here); a run asking as many rows as tokens precede them stays."""
+    split, _ = pair
+    split.plain_min_tokens, split.plain_run_tokens = PLAIN_MIN_TOKENS, PLAIN_RUN_TOKENS
+    p = prompt(11, 70)
+    assert_same(pair, [SeqInput("a", p + [21, 22, 23, 24], logits_at=[69, 71, 73])])
+    assert split.stats.plain_prefill_tokens == 74
+    assert_same(pair, [SeqInput("b", prompt(12, 70), logits_at=list(range(40, 70)))])  # 30 rows after 40 tokens
+    assert split.stats.plain_prefill_tokens == 74 + 70
+    assert_same(pair, [SeqInput("c", prompt(13, 70), logits_at=list(range(20, 70)))])  # 50 rows after 20: stays
+    assert split.stats.plain_prefill_tokens == 74 + 70
+    assert_same(pair, cont("a", "b", "c"))
+
+
 def test_a_prompt_in_chunks_continues_where_the_last_chunk_ended(pair):
     split, _ = pair
     p = prompt(3, 60)
