@@ -17,6 +17,7 @@ from calid.runtime.runner import SeqInput
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 20, 24, 32)
 DRAFT_BATCHES = (1, 2, 4, 8)
 CONTEXT = 64  # tokens cached before the timed forwards, like a request past its prompt
+PROMPT = 160  # tokens of a prompt both models prefill (filter_cap's prefill ratio): a chat prompt's length
 
 
 def _timed(runner, inputs) -> float:
@@ -82,7 +83,9 @@ def filter_cap(target, draft, batch: int, gamma: int = DecodeParams.gamma, repea
     Returns those per-token costs (seconds) and ``cap`` = ar / (draft + catch-up): an estimate, since at one
     request early-accepted chains pile up into longer catch-ups, cheaper a token. On a CPU where a forward of
     batch x gamma tokens is compute-bound the catch-up is most of the cap (2-core Xeon, Qwen pair, 4 sequences:
-    draft 11 ms, catch-up 14 ms, ar 34 ms a token)."""
+    draft 11 ms, catch-up 14 ms, ar 34 ms a token). ``prefill_ratio``: the draft's time to prefill a prompt over
+    the target's (both models read every prompt in filter, where ar's target alone does), which caps filter on whole
+    requests below its cap on decoding (whole_request_cap)."""
     seqs = [("__filter_cap__", i) for i in range(batch)]
     prefix = [(13 * i + 5) % target.vocab_size for i in range(CONTEXT)]
 
@@ -98,7 +101,17 @@ def filter_cap(target, draft, batch: int, gamma: int = DecodeParams.gamma, repea
         return out / (batch * tokens)
 
     ar, drafted, catch_up = per_token(target, 1), per_token(draft, 1), per_token(target, gamma)
-    return {"ar_s": ar, "draft_s": drafted, "catch_up_s": catch_up, "cap": ar / (drafted + catch_up)}
+    prompt = min(PROMPT, target.max_position - 1, draft.max_position - 1)
+    prefill = {r: min(prefill_cost(r, prompt) for _ in range(2)) for r in (target, draft)}
+    return {"ar_s": ar, "draft_s": drafted, "catch_up_s": catch_up, "cap": ar / (drafted + catch_up),
+            "prefill_ratio": prefill[draft] / prefill[target]}
+
+
+def whole_request_cap(decoding_cap: float, prefill_share: float, prefill_ratio: float) -> float:
+    """filter's most over ar on whole requests: ar spends ``prefill_share`` of its time prefilling, which filter
+    spends too and, on the draft, ``prefill_ratio`` as much again; the rest it decodes at most ``decoding_cap``
+    times as fast (filter_cap)."""
+    return 1 / (prefill_share * (1 + prefill_ratio) + (1 - prefill_share) / decoding_cap)
 
 
 def verification_cap(verify: CostTable) -> tuple[float, int]:

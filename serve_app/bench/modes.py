@@ -43,7 +43,7 @@ SERVED_VS_INPROC = 0.95  # the goal: serving costs at most 5% of what the engine
 COLUMNS = ["workload", "concurrency", "mode", "served_tok_s", "served_vs_ar", "rounds_vs_ar", "tpot_ms", "decode_vs_ar",
            "prefill_cap", "inproc_tok_s", "inproc_vs_ar", "served_vs_inproc", "serving_ms_per_step", "nonforward_ms",
            "worker_ms", "inproc_nonforward_ms", "forward_ms", "inproc_forward_ms", "inproc_plan_ms", "draft_share",
-           "guard_plain", "same_as_ar", "filter_cap"]
+           "guard_plain", "same_as_ar", "filter_cap", "filter_cap_whole"]
 
 
 def add_parser(sub) -> None:
@@ -107,13 +107,16 @@ NOTES = [  # how to read the table's columns (the report adds the decode limit a
     "the same forwards run slower served where the serving processes take cores from llama.cpp's threads",
     "draft_share: output tokens that came from drafts (a draft model's, or n-gram copies of the request's own "
     "tokens) / all output tokens",
-    "guard_plain: served steps whose plan drafted but that the router's StepGuard ran plain, because the plan's "
-    "forecast, corrected by how forecasts of its size and depth held, did not beat a plain step's "
+    "guard_plain: served steps the router's StepGuard ran plain: those whose plan drafted but whose forecast, "
+    "corrected by how forecasts of its size and depth held, did not beat a plain step's, and those it did not let "
+    "the planner price, where this batch size's drafting steps measurably saved no more than its plain ones "
     "(calid.planning.StepGuard)",
     "same_as_ar: greedy outputs identical to ar's token for token (lossless modes must match)",
     "filter_cap: ar's cost per token at this batch / (the draft's + the target's catching up on gamma (8) tokens a "
     "sequence), timed on the in-process runners: the most filter can gain in decoding here, if the draft made "
     "every token and the target only read them into its cache (calid.calibration.filter_cap)",
+    "filter_cap_whole: filter_cap on whole requests: ar's prefill (1 / prefill_cap of its time) stays, and filter's "
+    "draft prefills every prompt too, in the time timed beside filter_cap (calid.calibration.whole_request_cap)",
     "verification cap: max over forward sizes k of k x cost(1) / cost(k), timed in process: what lossless "
     "drafting could gain at one request if every draft token were accepted and drafts cost nothing "
     "(calid.calibration.verification_cap); under load, less",
@@ -352,11 +355,12 @@ def _tpot_ms(completion) -> float:
 
 
 def _overruled(cfg) -> int:
-    """Planned drafting steps the router's guard has run plain so far."""
+    """Steps the router's guard has run plain so far: plans that drafted which it overruled, and steps it did not
+    let the planner price at all (StepGuard.plans)."""
     from ray import serve
 
     guard = serve.get_deployment_handle("router", cfg.app_name).stats.remote().result()["guard"]
-    return guard.get("overruled", 0)
+    return guard.get("overruled", 0) + guard.get("unplanned", 0)
 
 
 async def _burst(address: str, app: str, mode: str, prompts: list[str], new: int, to_eos: bool = False):
@@ -367,14 +371,17 @@ async def _burst(address: str, app: str, mode: str, prompts: list[str], new: int
                                       for p in prompts])
 
 
-def _filter_caps(engine, sweep: list[int]) -> dict[int, float]:
-    """Filter's best possible ratio to ar at each batch size, timed on the engine's own runners."""
+def _filter_caps(engine, sweep: list[int]) -> dict[int, dict[str, float]]:
+    """Filter's best possible ratio to ar at each batch size, and its draft's prefill time over the target's,
+    timed on the engine's own runners (calid.calibration.filter_cap)."""
     from calid.calibration import filter_cap
 
-    return {c: filter_cap(engine.target, engine.draft, c)["cap"] for c in sweep}
+    return {c: filter_cap(engine.target, engine.draft, c) for c in sweep}
 
 
 def _rows(samples: dict, caps: dict) -> list[dict]:
+    from calid.calibration import whole_request_cap
+
     rows = []
     for (w, c, mode), runs in samples.items():
         med = lambda key: statistics.median(r[key] for r in runs) if all(key in r for r in runs) else float("nan")
@@ -388,7 +395,9 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
                "forward_ms": med("forward_ms"), "inproc_forward_ms": med("inproc_forward_ms"),
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
-               "filter_cap": caps.get(c, "-") if mode == "filter" else "-", "_outputs": runs[-1]["outputs"],
+               "filter_cap": caps[c]["cap"] if mode == "filter" and c in caps else "-",
+               "_filter_prefill": caps[c]["prefill_ratio"] if mode == "filter" and c in caps else None,
+               "filter_cap_whole": "-", "_outputs": runs[-1]["outputs"],
                "_rates": rates}
         row["served_vs_inproc"] = row["served_tok_s"] / row["inproc_tok_s"]
         rows.append(row)
@@ -405,8 +414,10 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
         r["prefill_cap"] = base["_burst_s"] / base["_first_tokens_s"] if base["_first_tokens_s"] > 0 else float("nan")
         same = sum(a == b for a, b in zip(r["_outputs"], base["_outputs"]))
         r["same_as_ar"] = f"{same}/{len(base['_outputs'])}"
+        if r["_filter_prefill"] is not None and r["prefill_cap"] > 0:
+            r["filter_cap_whole"] = whole_request_cap(r["filter_cap"], 1 / r["prefill_cap"], r["_filter_prefill"])
     for r in rows:
-        for key in ("_outputs", "_burst_s", "_first_tokens_s", "_rates"):
+        for key in ("_outputs", "_burst_s", "_first_tokens_s", "_rates", "_filter_prefill"):
             del r[key]
     return rows
 
@@ -444,7 +455,9 @@ def _verdict(rows: list[dict], modes: list[str], bounds: dict | None = None, rep
                     f"decoding alone {r['decode_vs_ar']:.2f}x ar; "
                     f"whole requests cannot beat ar by more than {r['prefill_cap']:.2f}x here (prefill)")
             if r["mode"] == "filter" and isinstance(r["filter_cap"], float):
-                line += f"; cap on this machine {r['filter_cap']:.2f}x"
+                line += f"; cap on this machine {r['filter_cap']:.2f}x (decoding alone)"
+                if isinstance(r["filter_cap_whole"], float):
+                    line += f", {r['filter_cap_whole']:.2f}x on whole requests (the draft prefills every prompt too)"
             if r["mode"] == "auto" and r["workload"] in (bounds or {}):
                 bound = bounds[r["workload"]].ratio
                 line += f"; n-gram bound on this machine {bound:.2f}x at c1 (decoding alone)"

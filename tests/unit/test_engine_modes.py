@@ -319,7 +319,17 @@ def test_filter_cap_is_the_target_step_over_the_draft_step_and_the_catch_up_and_
     cap = filter_cap(target, draft, batch=3, gamma=4)
     assert cap["ar_s"] > 0 and cap["draft_s"] > 0 and cap["catch_up_s"] > 0
     assert cap["cap"] == pytest.approx(cap["ar_s"] / (cap["draft_s"] + cap["catch_up_s"]))
+    assert cap["prefill_ratio"] > 0  # the one-layer self-draft prefills in less time than the whole model
     assert target.cached_count() == 0 and draft.cached_count() == 0
+
+
+def test_filter_on_whole_requests_keeps_the_prefill_and_adds_the_drafts():
+    from calid.calibration import whole_request_cap
+
+    # half of ar's time prefilling; decoding 3x as fast; the draft prefills in 0.4 of the target's time
+    assert whole_request_cap(3.0, 0.5, 0.4) == pytest.approx(1 / (0.5 * 1.4 + 0.5 / 3))
+    assert whole_request_cap(3.0, 0.0, 0.4) == pytest.approx(3.0)  # no prefill: the decoding cap
+    assert whole_request_cap(1.5, 0.3, 0.5) < 1.5
 
 
 @pytest.mark.parametrize("budget", [None, 40])

@@ -27,7 +27,7 @@ def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
         ("grounded", 1, "auto"): [_run(3.0, 20.0, 2.0, same, drafted=30)] * 3,
         ("grounded", 1, "filter"): [_run(2.5, 15.0, 2.0, other, drafted=40)] * 3,
     }
-    rows = {r["mode"]: r for r in _rows(samples, caps={})}
+    rows = {r["mode"]: r for r in _rows(samples, caps={1: {"cap": 3.0, "prefill_ratio": 0.4}})}
     ar, auto, lossy = rows["ar"], rows["auto"], rows["filter"]
     assert ar["served_vs_ar"] == 1.0 and ar["decode_vs_ar"] == 1.0
     assert auto["served_vs_ar"] == pytest.approx(4.0 / 3.0)
@@ -50,6 +50,11 @@ def test_rows_separate_decoding_from_whole_requests_and_bound_them_by_prefill():
         replays={("grounded", 1): SimpleNamespace(ratio=1.8)},
         foresights={("grounded", 1): SimpleNamespace(ratio=3.0)},
     )
+    # filter: decoding at most 3x as fast; half of ar's time prefilling, and 0.4 of that again on the draft
+    assert lossy["filter_cap"] == 3.0 and lossy["filter_cap_whole"] == pytest.approx(1 / (0.5 * 1.4 + 0.5 / 3))
+    assert auto["filter_cap"] == "-" and auto["filter_cap_whole"] == "-"
+    assert "grounded c1 filter: 1.60x ar served" in verdict and \
+        "cap on this machine 3.00x (decoding alone), 1.15x on whole requests (the draft prefills" in verdict
     # prefill is half of ar's time (cap 2.0): decoding 3x faster leaves 0.5 + 0.5 / 3 of it
     assert "(decoding alone, no noise); with each copy's yield known 3.00x, 1.50x on whole requests" in known
 
