@@ -77,15 +77,15 @@ def draft_costs(runner, batches=DRAFT_BATCHES) -> CostTable:
 def filter_cap(target, draft, batch: int, gamma: int = DecodeParams.gamma, repeats: int = 3) -> dict[str, float]:
     """The most CALID filter can gain over ar at ``batch`` sequences on these runners, measured.
 
-    At best the draft makes every token and the target only catches up: it still reads each token into its
-    cache, in one forward of ``gamma`` tokens per sequence per draft chain. So per output token filter costs at
-    least the draft's step / batch plus that forward / (batch x gamma), where ar costs the target's step / batch.
-    Returns those per-token costs (seconds) and ``cap`` = ar / (draft + catch-up): an estimate, since at one
-    request early-accepted chains pile up into longer catch-ups, cheaper a token. On a CPU where a forward of
-    batch x gamma tokens is compute-bound the catch-up is most of the cap (2-core Xeon, Qwen pair, 4 sequences:
-    draft 11 ms, catch-up 14 ms, ar 34 ms a token). ``prefill_ratio``: the draft's time to prefill a prompt over
-    the target's (both models read every prompt in filter, where ar's target alone does), which caps filter on whole
-    requests below its cap on decoding (whole_request_cap)."""
+    At best the draft makes every token and the target only reads them into its cache, at its cheapest: in one
+    forward of ``gamma`` tokens per sequence per draft chain (``catch_up_s``) or, where confident chains pile up
+    into long runs, at the rate it prefills a prompt (``read_s``, the lesser of the two). So per output token filter
+    costs at least the draft's step / batch plus that, where ar costs the target's step / batch: ``cap`` = ar /
+    (draft + read), an upper bound. (Timed with the gamma forward alone it was not one: at one request on the
+    2-core EPYC, Qwen pair, a cap of 0.91x against 1.87x measured, whose catch-ups ran 20-40 tokens at once.)
+    ``prefill_ratio``: the draft's time to prefill a prompt over the target's (both models read every prompt in
+    filter, where ar's target alone does), which caps filter on whole requests below its cap on decoding
+    (whole_request_cap)."""
     seqs = [("__filter_cap__", i) for i in range(batch)]
     prefix = [(13 * i + 5) % target.vocab_size for i in range(CONTEXT)]
 
@@ -103,7 +103,8 @@ def filter_cap(target, draft, batch: int, gamma: int = DecodeParams.gamma, repea
     ar, drafted, catch_up = per_token(target, 1), per_token(draft, 1), per_token(target, gamma)
     prompt = min(PROMPT, target.max_position - 1, draft.max_position - 1)
     prefill = {r: min(prefill_cost(r, prompt) for _ in range(2)) for r in (target, draft)}
-    return {"ar_s": ar, "draft_s": drafted, "catch_up_s": catch_up, "cap": ar / (drafted + catch_up),
+    read = min(catch_up, prefill[target])
+    return {"ar_s": ar, "draft_s": drafted, "catch_up_s": catch_up, "read_s": read, "cap": ar / (drafted + read),
             "prefill_ratio": prefill[draft] / prefill[target]}
 
 

@@ -112,9 +112,10 @@ NOTES = [  # how to read the table's columns (the report adds the decode limit a
     "the planner price, where this batch size's drafting steps measurably saved no more than its plain ones "
     "(calid.planning.StepGuard)",
     "same_as_ar: greedy outputs identical to ar's token for token (lossless modes must match)",
-    "filter_cap: ar's cost per token at this batch / (the draft's + the target's catching up on gamma (8) tokens a "
-    "sequence), timed on the in-process runners: the most filter can gain in decoding here, if the draft made "
-    "every token and the target only read them into its cache (calid.calibration.filter_cap)",
+    "filter_cap: ar's cost per token at this batch / (the draft's + the target's reading a token at its cheapest: "
+    "catching up on gamma (8) tokens a sequence, or at its prefill rate), timed on the in-process runners: the most "
+    "filter can gain in decoding here, if the draft made every token and the target only read them into its cache "
+    "(calid.calibration.filter_cap)",
     "filter_cap_whole: filter_cap on whole requests: ar's prefill (1 / prefill_cap of its time) stays, and filter's "
     "draft prefills every prompt too, in the time timed beside filter_cap (calid.calibration.whole_request_cap)",
     "verification cap: max over forward sizes k of k x cost(1) / cost(k), timed in process: what lossless "
