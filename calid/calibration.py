@@ -81,8 +81,8 @@ def filter_cap(target, draft, batch: int, gamma: int = DecodeParams.gamma, repea
     forward of ``gamma`` tokens per sequence per draft chain (``catch_up_s``) or, where confident chains pile up
     into long runs, at the rate it prefills a prompt (``read_s``, the lesser of the two). So per output token filter
     costs at least the draft's step / batch plus that, where ar costs the target's step / batch: ``cap`` = ar /
-    (draft + read), an upper bound. (Timed with the gamma forward alone it was not one: at one request on the
-    2-core EPYC, Qwen pair, a cap of 0.91x against 1.87x measured, whose catch-ups ran 20-40 tokens at once.)
+    (draft + read), a bound up to timing noise (one request, 2-core EPYC, Qwen pair: 1.60x against 1.69x measured in
+    the same run; timed with the gamma forward alone it read 0.91x against 1.87x, whose catch-ups ran 20-40 tokens).
     ``prefill_ratio``: the draft's time to prefill a prompt over the target's (both models read every prompt in
     filter, where ar's target alone does), which caps filter on whole requests below its cap on decoding
     (whole_request_cap)."""

@@ -117,7 +117,8 @@ NOTES = [  # how to read the table's columns (the report adds the decode limit a
     "filter can gain in decoding here, if the draft made every token and the target only read them into its cache "
     "(calid.calibration.filter_cap)",
     "filter_cap_whole: filter_cap on whole requests: ar's prefill (1 / prefill_cap of its time) stays, and filter's "
-    "draft prefills every prompt too, in the time timed beside filter_cap (calid.calibration.whole_request_cap)",
+    "draft prefills every prompt too, in the time timed beside filter_cap (calid.calibration.whole_request_cap); "
+    "exact at one request, under load an estimate (prefill_cap is lower than the truth there)",
     "verification cap: max over forward sizes k of k x cost(1) / cost(k), timed in process: what lossless "
     "drafting could gain at one request if every draft token were accepted and drafts cost nothing "
     "(calid.calibration.verification_cap); under load, less",
