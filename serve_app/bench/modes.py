@@ -398,7 +398,6 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
                "draft_share": statistics.mean(r["drafted"] / max(1, r["tokens"]) for r in runs),
                "guard_plain": sum(r["guard_plain"] for r in runs) if mode != "ar" else "-",
                "filter_cap": caps[c]["cap"] if mode == "filter" and c in caps else "-",
-               "_filter_prefill": caps[c]["prefill_ratio"] if mode == "filter" and c in caps else None,
                "filter_cap_whole": "-", "_outputs": runs[-1]["outputs"],
                "_rates": rates}
         row["served_vs_inproc"] = row["served_tok_s"] / row["inproc_tok_s"]
@@ -416,10 +415,11 @@ def _rows(samples: dict, caps: dict) -> list[dict]:
         r["prefill_cap"] = base["_burst_s"] / base["_first_tokens_s"] if base["_first_tokens_s"] > 0 else float("nan")
         same = sum(a == b for a, b in zip(r["_outputs"], base["_outputs"]))
         r["same_as_ar"] = f"{same}/{len(base['_outputs'])}"
-        if r["_filter_prefill"] is not None and r["prefill_cap"] > 0:
-            r["filter_cap_whole"] = whole_request_cap(r["filter_cap"], 1 / r["prefill_cap"], r["_filter_prefill"])
+        cap = caps.get(r["concurrency"]) if r["mode"] == "filter" else None
+        if cap is not None and r["prefill_cap"] > 0:
+            r["filter_cap_whole"] = whole_request_cap(cap["cap"], 1 / r["prefill_cap"], cap["prefill_ratio"])
     for r in rows:
-        for key in ("_outputs", "_burst_s", "_first_tokens_s", "_rates", "_filter_prefill"):
+        for key in ("_outputs", "_burst_s", "_first_tokens_s", "_rates"):
             del r[key]
     return rows
 
