@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="HumanEval problems (default: all 164)")
     p.add_argument("--math", type=int, default=100, help="ASDiv problems (default 100)")
     p.add_argument("--concurrency", default="1,4,8", help="closed-loop client counts (default 1,4,8)")
-    p.add_argument("--filter-thresholds", default="0.95,0.9,0.8,0.6,0.4,0.2", help="filter's top-1 probabilities")
+    p.add_argument("--filter-thresholds", default="0.97,0.95,0.9,0.8,0.6,0.4",
+                   help="filter's top-1 probabilities (the default pair's operating point first)")
     p.add_argument("--rollback-nlls", default="1,2,4", help="rollback's target-NLL bounds")
     p.add_argument("--budgets", default="0.95,0.98,0.99", help="min_agreement budgets (held-out half)")
     p.add_argument("--only", default=None, help="comma-separated configuration names (ar always runs)")

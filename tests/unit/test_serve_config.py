@@ -98,7 +98,7 @@ def test_each_model_gets_the_apps_settings_under_its_own():
 def test_filters_default_threshold_is_the_pairs_operating_point():
     from calid.decoding.modes import FILTER_THRESHOLD
 
-    assert AppConfig().filter_point == 0.95  # the default pair's, measured (calid.models.presets)
+    assert AppConfig().filter_point == 0.97  # the default pair's, measured (calid.models.presets)
     assert AppConfig.small().filter_point == FILTER_THRESHOLD  # a pair never calibrated
     assert AppConfig.small(filter_threshold=0.7).filter_point == 0.7  # the operator's own
     cfg = AppConfig(filter_threshold=0.8, models=[MODELS[0], {**MODELS[1], "filter_threshold": 0.6}])
