@@ -61,3 +61,28 @@ def test_the_demo_stops_through_the_bounded_shutdown(monkeypatch):
     with pytest.raises(RuntimeError, match="no Ray here"):
         main(["demo"])
     assert stopped == [True]
+
+
+def test_once_stopping_rays_own_threads_fail_quietly_and_any_other_thread_still_prints(monkeypatch):
+    """A signal to the whole process group ends Ray's processes too; its driver thread that prints the workers'
+    logs then failed with an RpcError traceback after calid's one line (seen in the suite)."""
+    printed = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.thread.name))
+
+    def fail():
+        raise RuntimeError("failed to connect to all addresses")
+
+    def run(name):
+        t = threading.Thread(target=fail, name=name)
+        t.start()
+        t.join()
+
+    run("ray_print_logs")
+    assert printed == ["ray_print_logs"]  # before a stop signal: printed as ever
+    serve_commands._quiet_ray_threads()
+    quiet = threading.excepthook
+    serve_commands._quiet_ray_threads()
+    assert threading.excepthook is quiet  # a second signal wraps nothing more
+    run("ray_print_logs")
+    run("calid-target")
+    assert printed == ["ray_print_logs", "calid-target"]
