@@ -21,7 +21,7 @@ practice, not a proven one (at one request, calid.bench.ngram_bound is exact).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from calid.decoding.ngram import MAX_CHAIN, NgramIndex
@@ -55,6 +55,10 @@ class Replay:
     def describe(self) -> str:
         return (f"{self.ratio:.2f}x ar decoding ({self.copied}/{self.tokens} tokens copied, {self.steps} steps "
                 f"against ar's {self.ar_steps})")
+
+    def __add__(self, other: "Replay") -> "Replay":
+        """Two bursts replayed one after the other (waves of a closed loop): their counts and times add up."""
+        return Replay(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Replay)))
 
 
 def replay_burst(

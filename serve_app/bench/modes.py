@@ -3,8 +3,9 @@
 Side by side in one run, same prompts through the chat template, greedy, each answer to its EOS (at most
 ``--max-new-tokens``: users' requests stop there; ``--ignore-eos`` is the stress case, labelled as such, where the
 model repeats itself past its answer and n-gram drafts copy it): for each workload,
-concurrency C and mode, a burst of C requests through gRPC + Ray Serve and the same C requests through
-the in-process ``Engine`` (batch C), alternating which goes first, repeated ``--rounds`` times, the modes in
+concurrency C and mode, the same ``--requests`` prompts in waves of C requests (each wave a burst, as a closed loop
+of C clients sends them: one request at C=1 is a single noisy reading) through gRPC + Ray Serve and through the
+in-process ``Engine`` (batch C), alternating which goes first, repeated ``--rounds`` times, the modes in
 reverse order every other round (the median counts: the machine is shared and noisy, and drifts). Workloads
 (calid.bench.data.workload_prompts):
   mix        the default: the three below in turn, as a server's users send them;
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
+import operator
 import statistics
 import sys
 import time
@@ -54,6 +57,8 @@ def add_parser(sub) -> None:
     p.add_argument("--workloads", default="mix", help=f"comma-separated among {', '.join(WORKLOADS)} (default mix: "
                    "code to write, text to edit or summarize, and open chat, in turn)")
     p.add_argument("--rounds", type=int, default=2, help="repeats of every point (median reported)")
+    p.add_argument("--requests", type=int, default=8, help="prompts every point runs, in waves of its concurrency "
+                   "(default 8; at least the highest concurrency)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="at most this many tokens an answer (default 96); "
                    "answers end at EOS, as users' requests do")
     p.add_argument("--ignore-eos", action="store_true", help="stress case, labelled as such in the table: every "
@@ -80,8 +85,8 @@ def _options(args):
     sweep = parse_numbers(args.concurrency, int)
     if any(m not in MODES for m in modes) or any(w not in WORKLOADS for w in workloads) or not workloads:
         raise CalidError(f"--modes takes modes among {', '.join(MODES)}; --workloads among {', '.join(WORKLOADS)}")
-    if not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2:
-        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1, --max-new-tokens >= 2")
+    if not sweep or min(sweep) < 1 or args.rounds < 1 or args.max_new_tokens < 2 or args.requests < 1:
+        raise CalidError("--concurrency takes counts >= 1, --rounds >= 1, --requests >= 1, --max-new-tokens >= 2")
     return ["ar"] + [m for m in modes if m != "ar"], workloads, sorted(set(sweep))
 
 
@@ -91,7 +96,7 @@ NOTES = [  # how to read the table's columns (the report adds the decode limit a
     "reading on this machine",
     "tpot_ms / decode_vs_ar: the server's mean time per output token after a request's first (from its own "
     "ttft and total times), and ar's over this mode's: decoding alone, what drafting speeds up",
-    "prefill_cap: ar's burst time / the time its last request got its first token: what any mode could gain "
+    "prefill_cap: ar's time / the time each wave's last request got its first token, summed: what any mode could gain "
     "over ar on whole requests if decoding cost nothing (exact at one request; under load prefill shares "
     "steps with decoding, so the cap is lower than the truth)",
     "served_vs_inproc: served tokens/s / in-process tokens/s for the same requests (1.0 = serving costs nothing)",
@@ -197,7 +202,8 @@ class _Setup:
             self.target.runner, self.target.tokenizer, self.target.eos_ids, draft=draft.runner, max_batch=top,
             max_forward_tokens=cfg.max_forward_tokens)
         self.top = top
-        self.texts = {w: workload_prompts(w, top) for w in workloads}
+        self.requests = max(top, args.requests)  # prompts every point runs, in waves of its concurrency
+        self.texts = {w: workload_prompts(w, self.requests) for w in workloads}
         # per workload: at most how many tokens, and whether EOS ends an answer
         self.lengths = {w: (args.max_new_tokens, not args.ignore_eos) for w in WORKLOADS}
         self.rounds = args.rounds
@@ -229,10 +235,10 @@ class _Setup:
               f"{spec_cap[1]}-token forward; target forward ms by tokens: {costs}", file=sys.stderr)
         return spec_cap
 
-    def ids(self, workload: str, c: int) -> list[list[int]]:
+    def ids(self, workload: str) -> list[list[int]]:
         from calid.text import encode_prompt
 
-        return [encode_prompt(self.target.tokenizer, t) for t in self.texts[workload][:c]]
+        return [encode_prompt(self.target.tokenizer, t) for t in self.texts[workload]]
 
 
 def _measure(args, setup: _Setup, modes, workloads, sweep) -> tuple[dict, dict]:
@@ -253,11 +259,12 @@ def _measure(args, setup: _Setup, modes, workloads, sweep) -> tuple[dict, dict]:
         with progress(total, "bench modes", "point") as bar:
             for rnd in range(args.rounds):
                 for w in workloads:
+                    prompts, ids = texts[w], setup.ids(w)
                     for c in sweep:
-                        prompts, ids = texts[w][:c], setup.ids(w, c)
                         for mode in _round_order(modes, rnd):
                             samples.setdefault((w, c, mode), []).append(
-                                _point(cfg, address, engine, mode, prompts, ids, *setup.lengths[w], rnd % 2 == 1))
+                                _point(cfg, address, engine, mode, _waves(prompts, c), _waves(ids, c),
+                                       *setup.lengths[w], rnd % 2 == 1))
                             bar.update(1)
         caps = _filter_caps(engine, sweep) if engine is not None and "filter" in modes else {}
     finally:
@@ -273,16 +280,17 @@ def _oracles(setup: _Setup, samples: dict, workloads, sweep) -> tuple[dict, dict
 
     bounds, replays, foresights = {}, {}, {}
     for w in workloads:
-        ids = setup.ids(w, setup.top)
+        ids = setup.ids(w)
         bounds[w] = ngram_bound(ids, samples[(w, setup.top, "ar")][-1]["outputs"], setup.calibrated)
         print(f"n-gram bound, {w}: {bounds[w].ratio:.2f}x ar at one request (an oracle that verifies exactly the "
               f"n-gram tokens ar confirms, where they pay: {bounds[w].copied} of {bounds[w].tokens} tokens)",
               file=sys.stderr)
-        for c in sweep:
-            burst = (ids[:c], samples[(w, c, "ar")][-1]["outputs"], setup.calibrated, setup.lengths[w][0],
-                     setup.engine.orchestrator.sliced)
-            replays[(w, c)] = replay_burst(*burst)
-            foresights[(w, c)] = replay_burst(*burst, foresight=True)
+        for c in sweep:  # every wave of the point, one after the other
+            bursts = list(zip(_waves(ids, c), _waves(samples[(w, c, "ar")][-1]["outputs"], c)))
+            known = setup.calibrated, setup.lengths[w][0], setup.engine.orchestrator.sliced
+            replays[(w, c)] = functools.reduce(operator.add, (replay_burst(*b, *known) for b in bursts))
+            foresights[(w, c)] = functools.reduce(operator.add,
+                                                  (replay_burst(*b, *known, foresight=True) for b in bursts))
             print(f"planner replay, {w} c{c}: {replays[(w, c)].describe()}; with each copy's yield known "
                   f"{foresights[(w, c)].describe()}", file=sys.stderr)
     return bounds, replays, foresights
@@ -301,16 +309,23 @@ def _lengths_text(lengths: dict, workloads: list[str]) -> str:
                      for w, (n, to_eos) in lengths.items() if w in workloads)
 
 
-def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_first: bool) -> dict:
-    """One burst of ``new`` tokens a request (``to_eos``: or fewer, where EOS ends it) served and (unless engine is
-    None) the same burst in process, in the given order."""
+def _waves(items: list, c: int) -> list[list]:
+    """``items`` in bursts of ``c``, in order (the last one may be smaller)."""
+    return [items[i: i + c] for i in range(0, len(items), c)]
+
+
+def _point(cfg, address, engine, mode, waves, id_waves, new, to_eos: bool, inproc_first: bool) -> dict:
+    """Waves of requests of ``new`` tokens each (``to_eos``: or fewer, where EOS ends it), each wave a burst that
+    ends before the next starts, served and (unless engine is None) the same waves in process, in the given
+    order."""
     from serve_app.bench.serve import _model_forward_s, _server_times
 
     def served():
         before, overruled, models = _server_times(cfg), _overruled(cfg), _model_forward_s(cfg)
         t = time.perf_counter()
-        out = asyncio.run(_burst(address, cfg.app_name, mode, prompts, new, to_eos))
+        outs = [asyncio.run(_burst(address, cfg.app_name, mode, prompts, new, to_eos)) for prompts in waves]
         seconds = time.perf_counter() - t
+        out = [r for wave in outs for r in wave]
         step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
         model_s, target_s, forwards = (b - a for a, b in zip(models, _model_forward_s(cfg)))
         return {"served_s": seconds, "tokens": sum(len(r.token_ids) for r in out),
@@ -318,7 +333,8 @@ def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_f
                 "worker_ms": (forward - model_s) * 1000 / forwards if forwards else float("nan"),
                 "forward_ms": target_s * 1000 / forwards if forwards else float("nan"),
                 "tpot_ms": statistics.mean(_tpot_ms(r) for r in out),
-                "first_tokens_s": max(float(r.stats.get("ttft_ms", 0.0)) for r in out) / 1000,
+                # each wave's last first token: with free decoding a wave could not end sooner
+                "first_tokens_s": sum(max(float(r.stats.get("ttft_ms", 0.0)) for r in wave) for wave in outs) / 1000,
                 "guard_plain": _overruled(cfg) - overruled,
                 "serving_ms_per_step": (step_s - forward) * 1000 / steps if steps else float("nan"),
                 "outputs": [list(r.token_ids) for r in out],
@@ -331,7 +347,9 @@ def _point(cfg, address, engine, mode, prompts, ids, new, to_eos: bool, inproc_f
         params = SamplingParams(max_new_tokens=new, ignore_eos=not to_eos)
         times, model_s, target = replace(engine.times), engine.forward_s(), replace(engine.target.stats)
         t = time.perf_counter()
-        out = engine.generate([GenerationRequest(list(i), params, decode=DecodeParams(mode=mode)) for i in ids])
+        out = [r for ids in id_waves
+               for r in engine.generate([GenerationRequest(list(i), params, decode=DecodeParams(mode=mode))
+                                         for i in ids])]
         seconds = time.perf_counter() - t
         steps, forwards = engine.times.steps - times.steps, engine.target.stats.forwards - target.forwards
         other = engine.times.step_s - times.step_s - (engine.forward_s() - model_s)

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serve_app.bench.modes import _round_order, _rows, _tpot_ms, _verdict
+from serve_app.bench.modes import _round_order, _rows, _tpot_ms, _verdict, _waves
 
 
 def _run(served_s, tpot_ms, first_tokens_s, outputs, drafted=0):
@@ -84,3 +84,11 @@ def test_modes_run_in_reverse_order_every_other_round():
     assert _round_order(modes, 0) == modes and _round_order(modes, 2) == modes
     assert _round_order(modes, 1) == ["filter", "auto", "ar"]
     assert modes == ["ar", "auto", "filter"]  # the caller's list is left as it was
+
+
+def test_every_point_runs_the_same_prompts_in_waves_of_its_concurrency():
+    prompts = [f"p{i}" for i in range(8)]
+    assert _waves(prompts, 1) == [[p] for p in prompts]  # one client: eight requests one after another
+    assert _waves(prompts, 3) == [prompts[:3], prompts[3:6], prompts[6:]]  # the last wave holds what is left
+    assert _waves(prompts, 8) == [prompts] and _waves(prompts, 16) == [prompts]
+    assert [p for wave in _waves(prompts, 4) for p in wave] == prompts

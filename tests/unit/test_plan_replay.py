@@ -82,3 +82,11 @@ def test_foresight_verifies_only_tokens_that_hold_and_guessing_pays_for_the_rest
     assert known.tokens == guessed.tokens and known.planned_s <= guessed.planned_s
     plain = replay_burst([PROMPT], [answer], PROPORTIONAL, foresight=True)  # even known yields do not pay here
     assert plain.copied == 0 and plain.ratio == pytest.approx(1.0)
+
+
+def test_waves_replayed_one_after_the_other_add_their_counts_and_times():
+    first, second = replay_burst([PROMPT], [COPY], GPU_LIKE), replay_burst([PROMPT], [[5, 6, 7, 8]], GPU_LIKE)
+    both = first + second
+    assert both.requests == 2 and both.tokens == first.tokens + 3 and both.ar_steps == first.ar_steps + 3
+    assert both.copied == first.copied and both.planned_s == pytest.approx(first.planned_s + second.planned_s)
+    assert first.ratio > both.ratio > second.ratio == pytest.approx(1.0)  # nothing to copy in the second wave
