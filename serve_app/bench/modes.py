@@ -252,9 +252,9 @@ def _measure(args, setup: _Setup, modes, workloads, sweep) -> tuple[dict, dict]:
     samples: dict[tuple, list[dict]] = {}
     try:
         address = f"127.0.0.1:{cfg.grpc_port}"
-        asyncio.run(_burst(address, cfg.app_name, "ar", texts[workloads[0]][:1], 4))  # warm every path once
+        asyncio.run(_bursts(address, cfg.app_name, "ar", [texts[workloads[0]][:1]], 4))  # warm every path once
         for mode in modes:
-            asyncio.run(_burst(address, cfg.app_name, mode, texts[workloads[0]][:1], 4))
+            asyncio.run(_bursts(address, cfg.app_name, mode, [texts[workloads[0]][:1]], 4))
         total = args.rounds * len(workloads) * len(sweep) * len(modes)
         with progress(total, "bench modes", "point") as bar:
             for rnd in range(args.rounds):
@@ -323,7 +323,7 @@ def _point(cfg, address, engine, mode, waves, id_waves, new, to_eos: bool, inpro
     def served():
         before, overruled, models = _server_times(cfg), _overruled(cfg), _model_forward_s(cfg)
         t = time.perf_counter()
-        outs = [asyncio.run(_burst(address, cfg.app_name, mode, prompts, new, to_eos)) for prompts in waves]
+        outs = asyncio.run(_bursts(address, cfg.app_name, mode, waves, new, to_eos))
         seconds = time.perf_counter() - t
         out = [r for wave in outs for r in wave]
         step_s, steps, forward = (b - a for a, b in zip(before, _server_times(cfg)))
@@ -383,12 +383,14 @@ def _overruled(cfg) -> int:
     return guard.get("overruled", 0) + guard.get("unplanned", 0)
 
 
-async def _burst(address: str, app: str, mode: str, prompts: list[str], new: int, to_eos: bool = False):
+async def _bursts(address: str, app: str, mode: str, waves: list[list[str]], new: int, to_eos: bool = False):
+    """Each wave's requests at once, the next wave once the last one's are all done, on one client; per wave its
+    completions."""
     from calid.client import AsyncClient
 
     async with AsyncClient(address, app=app, timeout=1800) as c:
-        return await asyncio.gather(*[c.generate(p, max_new_tokens=new, ignore_eos=not to_eos, mode=mode)
-                                      for p in prompts])
+        return [await asyncio.gather(*[c.generate(p, max_new_tokens=new, ignore_eos=not to_eos, mode=mode)
+                                       for p in prompts]) for prompts in waves]
 
 
 def _filter_caps(engine, sweep: list[int]) -> dict[int, dict[str, float]]:
