@@ -280,14 +280,13 @@ def _oracles(setup: _Setup, samples: dict, workloads, sweep) -> tuple[dict, dict
 
     bounds, replays, foresights = {}, {}, {}
     for w in workloads:
-        ids = setup.ids(w)
+        ids, known = setup.ids(w), (setup.calibrated, setup.lengths[w][0], setup.engine.orchestrator.sliced)
         bounds[w] = ngram_bound(ids, samples[(w, setup.top, "ar")][-1]["outputs"], setup.calibrated)
         print(f"n-gram bound, {w}: {bounds[w].ratio:.2f}x ar at one request (an oracle that verifies exactly the "
               f"n-gram tokens ar confirms, where they pay: {bounds[w].copied} of {bounds[w].tokens} tokens)",
               file=sys.stderr)
         for c in sweep:  # every wave of the point, one after the other
             bursts = list(zip(_waves(ids, c), _waves(samples[(w, c, "ar")][-1]["outputs"], c)))
-            known = setup.calibrated, setup.lengths[w][0], setup.engine.orchestrator.sliced
             replays[(w, c)] = functools.reduce(operator.add, (replay_burst(*b, *known) for b in bursts))
             foresights[(w, c)] = functools.reduce(operator.add,
                                                   (replay_burst(*b, *known, foresight=True) for b in bursts))
