@@ -30,7 +30,7 @@ from typing import Callable, Generator, Hashable
 
 from calid.decoding.budget import AgreementTable, BudgetController
 from calid.decoding.modes import DecodeParams
-from calid.decoding.ngram import MAX_CHAIN, NgramIndex
+from calid.decoding.ngram import MAX_CHAIN, Copy, CopyHazard, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
 from calid.planning import (AR, Acceptance, Choice, CostTable, Forecast, Gain, GroupPlan, PlanInput, StepGuard,
@@ -103,7 +103,8 @@ class Orchestrator:
         # n-gram chains (verified as speculative, no draft call)
         self._ngrams: dict[Hashable, NgramIndex] = {}
         self._ngram_step: dict[Hashable, list[int]] = {}
-        self._ngram_proposal: dict[Hashable, list[int]] = {}  # this step's n-gram proposal per auto request
+        self._ngram_proposal: dict[Hashable, Copy] = {}  # this step's n-gram copy per auto request
+        self.copy_hazard = CopyHazard()  # how copies hold on this server's traffic, learned from their verifications
         self._drafted_at: dict[Hashable, int] = {}  # auto request -> its output length when it last planned a draft
         self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
         # the planner's forecasts against measured outcomes: steps that drafted (by how much they bet) vs plain steps,
@@ -336,7 +337,7 @@ class Orchestrator:
             if c.mode != "ar":
                 self._drafted_at[rid] = len(s.output)
             if c.mode == "ngram":  # verified as a greedy draft chain (one-hot draft rows when sampled)
-                self._ngram_step[rid] = self._ngram_proposal[rid][: c.gamma]
+                self._ngram_step[rid] = self._ngram_proposal[rid].tokens[: c.gamma]
             self._step_decode[rid] = replace(s.req.decode, mode="speculative" if c.mode == "ngram" else c.mode,
                                              gamma=c.gamma or s.req.decode.gamma)
 
@@ -350,8 +351,9 @@ class Orchestrator:
         ngram.extend(s.token_ids)
         # a copy is not bound by gamma (a draft model's chain length): it costs only its verification
         copy = ngram.copy(0 if s.prefilling else self._draft_budget(s, max(decode.gamma, MAX_CHAIN)))
-        self._ngram_proposal[rid] = copy.tokens
-        return PlanInput.of_copy(copy, alpha=self._acceptance.setdefault(rid, Acceptance()).alpha, cap=cap,
+        self._ngram_proposal[rid] = copy
+        return PlanInput.of_copy(copy, self.copy_hazard.survival(copy),
+                                 alpha=self._acceptance.setdefault(rid, Acceptance()).alpha, cap=cap,
                                  lookahead_gain=self._lookahead_gain.setdefault(rid, Gain()).mean,
                                  tree_alpha=tree.alpha if tree else None, tree_width=decode.tree_width,
                                  tree_chains=decode.tree_chains, remaining=self._tokens_left(s),
@@ -482,8 +484,8 @@ class Orchestrator:
             s.stats.record_verification(v.proposed, v.accepted, v.verifying)
             rid = s.req.request_id
             step_mode = self.decode_of(s).mode if s.req.decode.mode == "auto" else None
-            if rid in self._ngram_step:
-                pass  # an n-gram chain: its worth is read from the sequence itself (Copy.survival)
+            if rid in self._ngram_step:  # an n-gram chain: how far it held teaches every copy's price
+                self.copy_hazard.observe(self._ngram_proposal[rid], v.proposed, v.accepted)
             elif step_mode == "lookahead":
                 self._lookahead_gain[rid].observe(v.accepted)
             elif step_mode == "tree" and rid in self._tree_acceptance:

@@ -200,9 +200,11 @@ class PlanInput:
     # batch's cost to go
 
     @classmethod
-    def of_copy(cls, copy, **rest) -> "PlanInput":
-        """A request's input with ``copy`` (a calid.decoding.ngram.Copy) as its n-gram option."""
-        return cls(ngram=len(copy.tokens), ngram_survival=tuple(copy.survival()), **rest)
+    def of_copy(cls, copy, survival: list[float] | None = None, **rest) -> "PlanInput":
+        """A request's input with ``copy`` (a calid.decoding.ngram.Copy) as its n-gram option, its survival
+        ``survival`` (default: Laplace's, ``Copy.survival``)."""
+        return cls(ngram=len(copy.tokens), ngram_survival=tuple(copy.survival() if survival is None else survival),
+                   **rest)
 
     def options(self, drafts: bool) -> list[Choice]:
         """The choices open to this request (``drafts``: a draft model's cost is known): its depths on

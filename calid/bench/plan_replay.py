@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
-from calid.decoding.ngram import MAX_CHAIN, NgramIndex
+from calid.decoding.ngram import MAX_CHAIN, CopyHazard, NgramIndex
 from calid.orchestrator import draft_budget
 from calid.planning import Choice, CostTable, PlanInput, plan_steps, split_cost
 
@@ -69,12 +69,14 @@ def replay_burst(
     sliced: bool = True,
     planner: Planner = auto_planner,
     foresight: bool = False,
+    hazard: CopyHazard | None = None,
 ) -> Replay:
     """Decode ``prompts`` together (one burst, no request joins later) into their greedy ar ``outputs`` twice: in
     plain steps, and as ``planner`` chooses with n-gram copies. ``max_new_tokens``: each request's budget as the
     server knew it (its tokens left rank it in the planner's cost to go; default: its output's length); ``sliced``:
     the target splits a batch into slices (llama.cpp); ``foresight``: the planner knows each copy's yield (see
-    the module's notes)."""
+    the module's notes); ``hazard``: the server's learned copy hazards, carried from burst to burst as a server
+    carries them (default: fresh, learning from this burst only)."""
     if len(prompts) != len(outputs):
         raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs")
     if not verify.known:
@@ -85,22 +87,26 @@ def replay_burst(
     ar_s, ar_steps = _plain(outputs, verify, sliced)
     produced = [min(1, len(out)) for out in outputs]  # the first token is the prefill's
     indexes = [NgramIndex() for _ in prompts]
+    hazard = CopyHazard() if hazard is None else hazard
     planned_s, steps, copied, verified = 0.0, 0, 0, 0
     while active := [i for i, out in enumerate(outputs) if produced[i] < len(out)]:
-        holds, inputs = [], []  # per active request: how many of its copy's tokens ar's output confirms
+        holds, inputs, copies = [], [], []  # per active request: how many of its copy's tokens ar's output confirms
         for i in active:
             indexes[i].extend(prompts[i] + outputs[i][: produced[i]])
             left = budgets[i] - produced[i]
             copy = indexes[i].copy(draft_budget("auto", MAX_CHAIN, left))
             held = _held(copy.tokens, outputs[i][produced[i]:])
             holds.append(held)
-            request = PlanInput.of_copy(copy, alpha=0.0, cap=0, remaining=left)
+            copies.append(copy)
+            request = PlanInput.of_copy(copy, hazard.survival(copy), alpha=0.0, cap=0, remaining=left)
             if foresight:
                 request = replace(request, ngram_survival=(1.0,) * held + (0.0,) * (len(copy.tokens) - held))
             inputs.append(request)
         lengths = []
-        for i, held, choice in zip(active, holds, planner(inputs, verify, sliced)):
+        for i, held, copy, choice in zip(active, holds, copies, planner(inputs, verify, sliced)):
             drafted = choice.gamma if choice.mode == "ngram" else 0  # a prefix of the copy
+            if drafted:
+                hazard.observe(copy, drafted, min(held, drafted))
             at = produced[i]
             produced[i] = min(len(outputs[i]), at + min(held, drafted) + 1)
             verified += drafted

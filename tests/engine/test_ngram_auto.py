@@ -83,6 +83,9 @@ def test_a_copy_that_holds_runs_past_gamma_in_one_target_call(ll):
     gamma = DecodeParams(mode="auto").gamma
     assert len(auto.stats.accepted_at) > 2 * gamma and auto.stats.accepted_at[2 * gamma] > 0, auto.stats.accepted_at
     assert auto.stats.draft_tokens > new / 2 and auto.stats.target_calls < new / 4
+    # every verified copy taught the server how copies hold: each token it kept, and a break at most per step
+    hazard = engine.orchestrator.copy_hazard
+    assert sum(hazard.held) == auto.stats.draft_tokens and sum(hazard.broke) <= auto.stats.target_calls
 
 
 def test_sampled_auto_requests_take_ngram_drafts_too(ll):

@@ -1,7 +1,7 @@
 """N-gram (prompt lookup) drafts: exact proposals on hand-built sequences."""
 import pytest
 
-from calid.decoding.ngram import Copy, NgramConfig, NgramIndex
+from calid.decoding.ngram import Copy, CopyHazard, NgramConfig, NgramIndex
 
 
 def index(ids, **cfg) -> NgramIndex:
@@ -116,3 +116,27 @@ def test_a_copy_is_worth_more_the_longer_it_has_agreed():
     # the product of the per-token chances: each next token holds with (A+1+i) / (A+2+i)
     s = Copy([0] * 16, agreed=7).survival()
     assert s[-1] == pytest.approx(6 / 22) and all(a > b for a, b in zip(s, s[1:]))
+
+
+def test_an_untaught_hazard_prices_copies_by_laplaces_rule():
+    for copy in (Copy([1, 2, 3], agreed=2), Copy([0] * 16, agreed=7), Copy([0] * 40, agreed=200), Copy([], agreed=9)):
+        assert CopyHazard().survival(copy) == pytest.approx(copy.survival())
+
+
+def test_copies_that_held_raise_the_price_of_the_next_and_broken_ones_lower_it():
+    probe = Copy([0] * 12, agreed=2 + 10)  # a copy that has run 10 tokens past its match
+    held, broke = CopyHazard(), CopyHazard()
+    for _ in range(20):  # copies verified from run 10 on: all 12 tokens held / the first broke
+        held.observe(probe, verified=12, held=12)
+        broke.observe(probe, verified=12, held=0)
+    laplace = probe.survival()
+    assert all(h > s for h, s in zip(held.survival(probe), laplace))
+    assert broke.survival(probe)[0] < laplace[0] / 2
+    assert held.survival(probe)[-1] > 0.8
+    # only the run lengths it saw move: a fresh match is still priced by Laplace's rule
+    fresh = Copy([5, 6], agreed=2)
+    assert held.survival(fresh)[0] == pytest.approx(fresh.survival()[0])
+    # a break counts once, at the token that broke; tokens past it were never judged
+    one = CopyHazard()
+    one.observe(Copy([0] * 8, agreed=2), verified=8, held=3)
+    assert sum(one.held) == 3 and sum(one.broke) == 1
