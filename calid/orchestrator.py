@@ -30,7 +30,7 @@ from typing import Callable, Generator, Hashable
 
 from calid.decoding.budget import AgreementTable, BudgetController
 from calid.decoding.modes import DecodeParams
-from calid.decoding.ngram import MAX_CHAIN, Copy, CopyHazard, NgramIndex
+from calid.decoding.ngram import MAX_CHAIN, Copy, CopyHazard, CopyShare, NgramIndex
 from calid.errors import CalidError
 from calid.generation import GenerationRequest, RequestState, StreamEvent, validate_request
 from calid.planning import (AR, Acceptance, Choice, CostTable, Forecast, Gain, GroupPlan, PlanInput, StepGuard,
@@ -105,6 +105,7 @@ class Orchestrator:
         self._ngram_step: dict[Hashable, list[int]] = {}
         self._ngram_proposal: dict[Hashable, Copy] = {}  # this step's n-gram copy per auto request
         self.copy_hazard = CopyHazard()  # how copies hold on this server's traffic, learned from their verifications
+        self._copy_share: dict[Hashable, CopyShare] = {}  # per auto request: how much of its output copies foresaw
         self._drafted_at: dict[Hashable, int] = {}  # auto request -> its output length when it last planned a draft
         self.planned = Counter()  # auto requests' steps by the planner's choice (ar, ngram, speculative, ...)
         # the planner's forecasts against measured outcomes: steps that drafted (by how much they bet) vs plain steps,
@@ -184,6 +185,7 @@ class Orchestrator:
         self._ngrams.pop(request_id, None)
         self._ngram_step.pop(request_id, None)
         self._ngram_proposal.pop(request_id, None)
+        self._copy_share.pop(request_id, None)
         self._drafted_at.pop(request_id, None)
         self._draft_seen.pop(request_id, None)
         self._budgets.pop(request_id, None)
@@ -352,7 +354,8 @@ class Orchestrator:
         # a copy is not bound by gamma (a draft model's chain length): it costs only its verification
         copy = ngram.copy(0 if s.prefilling else self._draft_budget(s, max(decode.gamma, MAX_CHAIN)))
         self._ngram_proposal[rid] = copy
-        return PlanInput.of_copy(copy, self.copy_hazard.survival(copy),
+        share = self._copy_share.setdefault(rid, CopyShare()).value
+        return PlanInput.of_copy(copy, self.copy_hazard.survival(copy, share),
                                  alpha=self._acceptance.setdefault(rid, Acceptance()).alpha, cap=cap,
                                  lookahead_gain=self._lookahead_gain.setdefault(rid, Gain()).mean,
                                  tree_alpha=tree.alpha if tree else None, tree_width=decode.tree_width,
@@ -484,8 +487,13 @@ class Orchestrator:
             s.stats.record_verification(v.proposed, v.accepted, v.verifying)
             rid = s.req.request_id
             step_mode = self.decode_of(s).mode if s.req.decode.mode == "auto" else None
-            if rid in self._ngram_step:  # an n-gram chain: how far it held teaches every copy's price
-                self.copy_hazard.observe(self._ngram_proposal[rid], v.proposed, v.accepted)
+            copy, share = self._ngram_proposal.get(rid), self._copy_share.get(rid)
+            if copy is not None and share is not None:  # an auto request
+                if rid in self._ngram_step:  # an n-gram chain: how far it held teaches the price of copies like it
+                    self.copy_hazard.observe(copy, share.value, v.proposed, v.accepted)
+                share.update(copy.tokens, v.tokens)
+            if rid in self._ngram_step:
+                pass  # an n-gram chain says nothing of the draft model's acceptance
             elif step_mode == "lookahead":
                 self._lookahead_gain[rid].observe(v.accepted)
             elif step_mode == "tree" and rid in self._tree_acceptance:

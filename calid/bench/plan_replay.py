@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
-from calid.decoding.ngram import MAX_CHAIN, CopyHazard, NgramIndex
+from calid.decoding.ngram import MAX_CHAIN, CopyHazard, CopyShare, NgramIndex
 from calid.orchestrator import draft_budget
 from calid.planning import Choice, CostTable, PlanInput, plan_steps, split_cost
 
@@ -88,6 +88,7 @@ def replay_burst(
     produced = [min(1, len(out)) for out in outputs]  # the first token is the prefill's
     indexes = [NgramIndex() for _ in prompts]
     hazard = CopyHazard() if hazard is None else hazard
+    shares = [CopyShare() for _ in prompts]
     planned_s, steps, copied, verified = 0.0, 0, 0, 0
     while active := [i for i, out in enumerate(outputs) if produced[i] < len(out)]:
         holds, inputs, copies = [], [], []  # per active request: how many of its copy's tokens ar's output confirms
@@ -98,7 +99,7 @@ def replay_burst(
             held = _held(copy.tokens, outputs[i][produced[i]:])
             holds.append(held)
             copies.append(copy)
-            request = PlanInput.of_copy(copy, hazard.survival(copy), alpha=0.0, cap=0, remaining=left)
+            request = PlanInput.of_copy(copy, hazard.survival(copy, shares[i].value), alpha=0.0, cap=0, remaining=left)
             if foresight:
                 request = replace(request, ngram_survival=(1.0,) * held + (0.0,) * (len(copy.tokens) - held))
             inputs.append(request)
@@ -106,9 +107,10 @@ def replay_burst(
         for i, held, copy, choice in zip(active, holds, copies, planner(inputs, verify, sliced)):
             drafted = choice.gamma if choice.mode == "ngram" else 0  # a prefix of the copy
             if drafted:
-                hazard.observe(copy, drafted, min(held, drafted))
+                hazard.observe(copy, shares[i].value, drafted, min(held, drafted))
             at = produced[i]
             produced[i] = min(len(outputs[i]), at + min(held, drafted) + 1)
+            shares[i].update(copy.tokens, outputs[i][at: produced[i]])
             verified += drafted
             copied += produced[i] - at - 1
             lengths.append(1 + drafted)

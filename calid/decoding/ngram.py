@@ -25,6 +25,7 @@ its copy is likely to hold (``Copy.survival``).
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 
 # longest n-gram chain a step verifies: a copy costs no draft time, only its verification, which the planner prices
@@ -172,61 +173,95 @@ class Copy:
 # run lengths (tokens of agreement past the shortest match) that share a learned hazard: dense where copies start,
 # wider where they have run long and observations are few
 RUN_BUCKETS = (0, 1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 96, 128, 192, 256)
+# classes of requests by the share of their output so far that their copies foresaw (CopyShare): a request
+# restating its prompt's code and a chat answer borrowing a phrase learn separate hazards
+SHARE_CLASSES = (0.0, 0.2, 0.4, 0.6, 0.8)
 HAZARD_PRIOR = 8.0  # pseudo-tokens of Laplace's hazard each bucket starts with (2 and 4: bolder, lost under load)
+HAZARD_DECAY = 0.98  # a class's counts fade by this at each of its verified copies: it follows a change of traffic
+
+
+@dataclass
+class CopyShare:
+    """How much of one request's output so far its n-gram proposals foresaw: of the tokens each step produced,
+    those that continued the step's proposal from its start (whether or not the step verified it)."""
+
+    foreseen: int = 0
+    produced: int = 0
+
+    def update(self, proposal: list[int], produced: list[int]) -> None:
+        self.foreseen += sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], zip(proposal, produced)))
+        self.produced += len(produced)
+
+    @property
+    def value(self) -> float:
+        return (self.foreseen + 1) / (self.produced + 2)
 
 
 class CopyHazard:
-    """Learned chance that a copy breaks at its next token, by how long it has run (one per server, all requests).
+    """Learned chance that a copy breaks at its next token, by how long it has run and by its request's CopyShare
+    (one per server, all requests).
 
     ``Copy.survival`` prices every copy by Laplace's rule, the same on every workload. Copies differ by workload:
     a function restated from its docstring holds for 30-40 tokens once it runs, a chat answer's phrase borrowed
-    from the question breaks after a few. This counts, for each bucket of run lengths, the verified copy tokens
-    that held and those at which a copy broke, starting from HAZARD_PRIOR pseudo-tokens of Laplace's hazard
-    1/(A+2), and prices a copy by what the server has seen. Replayed through the planner (calid.bench.plan_replay)
-    on Qwen 1.5B's greedy outputs of 24 HumanEval and 24 mixed chat prompts (chat template, EOS honoured, the 2-core
-    EPYC's verification costs to 64 tokens, learning online from the first request on), in waves of 1 / 4 / 8:
-    HumanEval 1.58 / 1.47 / 1.62x -> 1.71 / 1.46 / 1.62x ar decoding (foresight at one request: 1.83x), the mix
-    1.21 / 1.04 / 1.25x -> 1.20 / 1.04 / 1.23x. Where copies hold, it drafts them sooner and longer: HumanEval at
-    one request took 303 steps for 2169 tokens instead of 422.
+    from the question breaks after a few. For each class of requests (SHARE_CLASSES) and bucket of run lengths
+    this counts the verified copy tokens that held and those at which a copy broke, starting from HAZARD_PRIOR
+    pseudo-tokens of Laplace's hazard 1/(A+2) and fading by HAZARD_DECAY, and prices a copy by what the server
+    has seen of requests like its own. Replayed at one request through the planner (calid.bench.plan_replay) on
+    Qwen 1.5B's greedy outputs of 24 HumanEval and 24 mixed chat prompts (chat template, EOS honoured, the 2-core
+    EPYC's verification costs to 64 tokens, learning online from the first request on): HumanEval 1.58x ->
+    1.64x ar decoding (1.67x after the mix), the mix 1.21x -> 1.22x (after HumanEval too). One table for all
+    requests took HumanEval to 1.71x but the mix after it to 1.04x, and to 0.93x at 4 requests: a server that had
+    learned code's long copies drafted chat's short ones as if they held.
     """
 
-    def __init__(self, prior: float = HAZARD_PRIOR):
-        self.prior = prior
-        self.held = [0.0] * len(RUN_BUCKETS)
-        self.broke = [0.0] * len(RUN_BUCKETS)
-        self._hazards: list[float] = []  # by run length, rebuilt after an observation
+    def __init__(self, prior: float = HAZARD_PRIOR, decay: float = HAZARD_DECAY):
+        self.prior, self.decay = prior, decay
+        self.held = [[0.0] * len(RUN_BUCKETS) for _ in SHARE_CLASSES]
+        self.broke = [[0.0] * len(RUN_BUCKETS) for _ in SHARE_CLASSES]
+        self._hazards: list[list[float]] = [[] for _ in SHARE_CLASSES]  # by run length, rebuilt after observing
 
-    def survival(self, copy: Copy) -> list[float]:
-        """S(1), ..., S(len(copy.tokens)) as ``Copy.survival``, by the learned hazards."""
-        run = max(0, copy.agreed - copy.min_n)
-        hazards = self._table(run + len(copy.tokens))
+    def survival(self, copy: Copy, share: float = 0.0) -> list[float]:
+        """S(1), ..., S(len(copy.tokens)) as ``Copy.survival``, by the hazards learned for requests whose CopyShare
+        is ``share``."""
+        k, run = _share_class(share), max(0, copy.agreed - copy.min_n)
+        hazards = self._table(k, run + len(copy.tokens))
         out, s = [], 1.0
         for h in hazards[run: run + len(copy.tokens)]:
             s *= 1.0 - h
             out.append(s)
         return out
 
-    def observe(self, copy: Copy, verified: int, held: int) -> None:
+    def observe(self, copy: Copy, share: float, verified: int, held: int) -> None:
         """A verification of the copy's first ``verified`` tokens kept ``held`` of them (``held < verified``: it
-        broke at token ``held``)."""
-        run = max(0, copy.agreed - copy.min_n)
+        broke at token ``held``); ``share``: its request's CopyShare when it was planned."""
+        k, run = _share_class(share), max(0, copy.agreed - copy.min_n)
+        held_k, broke_k = self.held[k], self.broke[k]
+        for b in range(len(RUN_BUCKETS)):
+            held_k[b] *= self.decay
+            broke_k[b] *= self.decay
         for i in range(min(verified, held + 1)):
             b = _bucket(run + i)
             if i < held:
-                self.held[b] += 1
+                held_k[b] += 1
             else:
-                self.broke[b] += 1
-        self._hazards = []
+                broke_k[b] += 1
+        self._hazards[k] = []
 
-    def _table(self, longest: int) -> list[float]:
-        if len(self._hazards) < longest:
-            self._hazards = [self._hazard(a) for a in range(max(longest, 2 * len(self._hazards), 64))]
-        return self._hazards
+    def _table(self, k: int, longest: int) -> list[float]:
+        table = self._hazards[k]
+        if len(table) < longest:
+            table = self._hazards[k] = [self._hazard(k, a) for a in range(max(longest, 2 * len(table), 64))]
+        return table
 
-    def _hazard(self, run: int) -> float:
+    def _hazard(self, k: int, run: int) -> float:
         b = _bucket(run)
-        return (self.broke[b] + self.prior / (run + 2)) / (self.held[b] + self.broke[b] + self.prior)
+        return (self.broke[k][b] + self.prior / (run + 2)) / (self.held[k][b] + self.broke[k][b] + self.prior)
 
 
 def _bucket(run: int) -> int:
     return bisect.bisect_right(RUN_BUCKETS, run) - 1
+
+
+def _share_class(share: float) -> int:
+    return bisect.bisect_right(SHARE_CLASSES, share) - 1
+

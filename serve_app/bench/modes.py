@@ -277,6 +277,7 @@ def _oracles(setup: _Setup, samples: dict, workloads, sweep) -> tuple[dict, dict
     the planner's replay (and its foresight) per burst."""
     from calid.bench.ngram_bound import ngram_bound
     from calid.bench.plan_replay import replay_burst
+    from calid.decoding.ngram import CopyHazard
 
     bounds, replays, foresights = {}, {}, {}
     for w in workloads:
@@ -285,9 +286,10 @@ def _oracles(setup: _Setup, samples: dict, workloads, sweep) -> tuple[dict, dict
         print(f"n-gram bound, {w}: {bounds[w].ratio:.2f}x ar at one request (an oracle that verifies exactly the "
               f"n-gram tokens ar confirms, where they pay: {bounds[w].copied} of {bounds[w].tokens} tokens)",
               file=sys.stderr)
-        for c in sweep:  # every wave of the point, one after the other
+        for c in sweep:  # every wave of the point, one after the other, learning copy hazards as the server does
             bursts = list(zip(_waves(ids, c), _waves(samples[(w, c, "ar")][-1]["outputs"], c)))
-            replays[(w, c)] = functools.reduce(operator.add, (replay_burst(*b, *known) for b in bursts))
+            hazard = CopyHazard()
+            replays[(w, c)] = functools.reduce(operator.add, (replay_burst(*b, *known, hazard=hazard) for b in bursts))
             foresights[(w, c)] = functools.reduce(operator.add,
                                                   (replay_burst(*b, *known, foresight=True) for b in bursts))
             print(f"planner replay, {w} c{c}: {replays[(w, c)].describe()}; with each copy's yield known "

@@ -1,7 +1,7 @@
 """N-gram (prompt lookup) drafts: exact proposals on hand-built sequences."""
 import pytest
 
-from calid.decoding.ngram import Copy, CopyHazard, NgramConfig, NgramIndex
+from calid.decoding.ngram import Copy, CopyHazard, CopyShare, NgramConfig, NgramIndex
 
 
 def index(ids, **cfg) -> NgramIndex:
@@ -120,23 +120,46 @@ def test_a_copy_is_worth_more_the_longer_it_has_agreed():
 
 def test_an_untaught_hazard_prices_copies_by_laplaces_rule():
     for copy in (Copy([1, 2, 3], agreed=2), Copy([0] * 16, agreed=7), Copy([0] * 40, agreed=200), Copy([], agreed=9)):
-        assert CopyHazard().survival(copy) == pytest.approx(copy.survival())
+        for share in (0.0, 0.5, 1.0):
+            assert CopyHazard().survival(copy, share) == pytest.approx(copy.survival())
 
 
 def test_copies_that_held_raise_the_price_of_the_next_and_broken_ones_lower_it():
     probe = Copy([0] * 12, agreed=2 + 10)  # a copy that has run 10 tokens past its match
     held, broke = CopyHazard(), CopyHazard()
-    for _ in range(20):  # copies verified from run 10 on: all 12 tokens held / the first broke
-        held.observe(probe, verified=12, held=12)
-        broke.observe(probe, verified=12, held=0)
+    for _ in range(20):  # copies verified from run 10 on, in requests whose copies foresaw 90% of their output
+        held.observe(probe, 0.9, verified=12, held=12)  # all 12 tokens held
+        broke.observe(probe, 0.9, verified=12, held=0)  # the first broke
     laplace = probe.survival()
-    assert all(h > s for h, s in zip(held.survival(probe), laplace))
-    assert broke.survival(probe)[0] < laplace[0] / 2
-    assert held.survival(probe)[-1] > 0.8
+    assert all(h > s for h, s in zip(held.survival(probe, 0.9), laplace))
+    assert broke.survival(probe, 0.9)[0] < laplace[0] / 2
+    assert held.survival(probe, 0.9)[-1] > 0.8
     # only the run lengths it saw move: a fresh match is still priced by Laplace's rule
     fresh = Copy([5, 6], agreed=2)
-    assert held.survival(fresh)[0] == pytest.approx(fresh.survival()[0])
+    assert held.survival(fresh, 0.9)[0] == pytest.approx(fresh.survival()[0])
+    # nor does a request whose copies foresaw little of its output (a chat answer) inherit code's long copies
+    assert held.survival(probe, 0.1) == pytest.approx(laplace)
     # a break counts once, at the token that broke; tokens past it were never judged
-    one = CopyHazard()
-    one.observe(Copy([0] * 8, agreed=2), verified=8, held=3)
-    assert sum(one.held) == 3 and sum(one.broke) == 1
+    one = CopyHazard(decay=1.0)
+    one.observe(Copy([0] * 8, agreed=2), 0.5, verified=8, held=3)
+    assert sum(map(sum, one.held)) == 3 and sum(map(sum, one.broke)) == 1
+
+
+def test_what_a_hazard_learned_fades_when_the_traffic_changes():
+    probe = Copy([0] * 12, agreed=2 + 10)
+    hazard = CopyHazard()
+    for _ in range(50):
+        hazard.observe(probe, 0.9, verified=12, held=12)
+    bold = hazard.survival(probe, 0.9)[-1]
+    for _ in range(50):  # the same kind of request now breaks its copies at once
+        hazard.observe(probe, 0.9, verified=12, held=0)
+    assert hazard.survival(probe, 0.9)[0] < probe.survival()[0] < bold
+
+
+def test_a_requests_copy_share_counts_the_tokens_its_proposals_foresaw():
+    share = CopyShare()
+    assert share.value == 0.5  # nothing seen yet
+    share.update([7, 8, 9], [7, 8, 4])  # two tokens continued the proposal, the third parted from it
+    share.update([], [3])  # no proposal: nothing foreseen
+    share.update([5, 6], [1])  # a plain step that did not take the proposal's first token
+    assert (share.foreseen, share.produced) == (2, 5) and share.value == pytest.approx(3 / 7)
