@@ -264,4 +264,3 @@ def _bucket(run: int) -> int:
 
 def _share_class(share: float) -> int:
     return bisect.bisect_right(SHARE_CLASSES, share) - 1
-
