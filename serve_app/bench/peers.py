@@ -52,6 +52,7 @@ COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "t
            "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "slo_met",
            "draft_share", "spec_acceptance", "ngram_share", "limit_tok_s"]
 PROMPTS = 240  # prompts a run draws from, in turn
+CONNECT_RETRIES = 2  # the openai SDK's default max_retries: a connection lost before any token is tried again
 
 
 def add_parser(sub) -> None:
@@ -385,7 +386,9 @@ def _say(server: str, mode: str, where: str, outs: list) -> None:
 
     ok = [o for o in outs if o.error is None]
     tok_s = load.score(outs, load.Slo(float("inf"), float("inf")))["tok_s"]
-    print(f"  {server} {mode} {where}: {tok_s:.2f} tok/s, {len(outs) - len(ok)} errors", file=sys.stderr)
+    retried = sum(1 for o in outs if o.retries)
+    print(f"  {server} {mode} {where}: {tok_s:.2f} tok/s, {len(outs) - len(ok)} errors"
+          + (f", {retried} requests sent again after a lost connection" if retried else ""), file=sys.stderr)
     for error, n in Counter(o.error for o in outs if o.error is not None).most_common():
         print(f"    {n} x {error}", file=sys.stderr)
 
@@ -460,37 +463,53 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
                prompt: str | None = None, ignore_eos: bool = True):
     """One streamed request (a chat with ``messages``, else a raw completion of ``prompt``), greedy, EOS
     ignored unless ``ignore_eos`` is False; tokens from the usage the server reports at the end, else one per chunk
-    with text."""
+    with text. A connection that fails before any token is tried again, up to CONNECT_RETRIES times, as the openai
+    SDK's default client does (the bench's client has its own retries off, so that no other error is hidden); the
+    time lost counts against the request's TTFT."""
+    from openai import APIConnectionError, APITimeoutError
+
     from calid.placement.traffic import Outcome
 
     extra = {"ignore_eos": ignore_eos, **({"mode": mode} if server == "calid" else {})}
     common = dict(model=model, max_tokens=max_new, temperature=0, stream=True, extra_body=extra,
                   stream_options={"include_usage": True})
-    sent, first, last, chunks, usage, pieces, drafted = time.perf_counter(), None, None, 0, None, [], None
-    try:
-        if messages is not None:
-            stream = await client.chat.completions.create(messages=messages, **common)
-        else:
-            stream = await client.completions.create(prompt=prompt, **common)
-        async for chunk in stream:
-            if getattr(chunk, "usage", None) is not None:
-                usage = chunk.usage.completion_tokens
-            calid = (chunk.model_extra or {}).get("calid")  # calid's stats ride on a stream's last chunk
-            if isinstance(calid, dict):
-                drafted = (drafted or 0) + int(calid.get("draft_tokens", 0))
-            choice = chunk.choices[0] if chunk.choices else None
-            piece = choice and (choice.delta.content if messages is not None else choice.text)
-            if piece:
-                pieces.append(piece)
-                last = time.perf_counter()
-                first = first or last
-                chunks += 1
-    except Exception as e:  # noqa: BLE001 - counted in the row's errors
-        return Outcome(sent, first, last, chunks, error=f"{type(e).__name__}: {e}")
+    sent = time.perf_counter()
+    for attempt in range(CONNECT_RETRIES + 1):
+        first, last, chunks, usage, pieces, drafted = None, None, 0, None, [], None
+        try:
+            if messages is not None:
+                stream = await client.chat.completions.create(messages=messages, **common)
+            else:
+                stream = await client.completions.create(prompt=prompt, **common)
+            async for chunk in stream:
+                if getattr(chunk, "usage", None) is not None:
+                    usage = chunk.usage.completion_tokens
+                calid = (chunk.model_extra or {}).get("calid")  # calid's stats ride on a stream's last chunk
+                if isinstance(calid, dict):
+                    drafted = (drafted or 0) + int(calid.get("draft_tokens", 0))
+                choice = chunk.choices[0] if chunk.choices else None
+                piece = choice and (choice.delta.content if messages is not None else choice.text)
+                if piece:
+                    pieces.append(piece)
+                    last = time.perf_counter()
+                    first = first or last
+                    chunks += 1
+        except APIConnectionError as e:
+            if chunks == 0 and not isinstance(e, APITimeoutError) and attempt < CONNECT_RETRIES:
+                continue
+            return Outcome(sent, first, last, chunks, error=_failure(e, chunks), retries=attempt)
+        except Exception as e:  # noqa: BLE001 - counted in the row's errors
+            return Outcome(sent, first, last, chunks, error=_failure(e, chunks), retries=attempt)
+        break
     tokens = usage if usage else chunks
     # llama_cpp.server under concurrent requests ends some streams with no content and no error
     return Outcome(sent, first, last, tokens, error=None if chunks else "the stream ended with no tokens",
-                   prompt=messages[-1]["content"] if messages else "", text="".join(pieces), drafted=drafted)
+                   prompt=messages[-1]["content"] if messages else "", text="".join(pieces), drafted=drafted,
+                   retries=attempt)
+
+
+def _failure(e: Exception, chunks: int) -> str:
+    return f"{type(e).__name__}: {e}" + (f" (after {chunks} tokens)" if chunks else "")
 
 
 def _plot(rows: list[dict], path: Path) -> Path:

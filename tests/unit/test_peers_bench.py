@@ -166,3 +166,66 @@ def test_a_point_with_failed_requests_says_why_each_failed(capsys):
     err = capsys.readouterr().err
     assert "3 errors" in err
     assert "2 x the stream ended with no tokens" in err and "1 x APIConnectionError: Connection error." in err
+
+
+class _Flaky:
+    """A stand-in for AsyncOpenAI's chat API: each create() raises the next failure in ``failures`` (None: streams
+    ``tokens`` chunks of text, then fails with ``then`` if given)."""
+
+    def __init__(self, failures: list, tokens: int = 3, then: Exception | None = None):
+        import types
+
+        self.failures, self.tokens, self.then, self.calls = list(failures), tokens, then, 0
+        self.chat = types.SimpleNamespace(completions=types.SimpleNamespace(create=self.create))
+
+    async def create(self, **kw):
+        self.calls += 1
+        failure = self.failures.pop(0) if self.failures else None
+        if failure is not None:
+            raise failure
+        return self._stream()
+
+    async def _stream(self):
+        import types
+
+        for _ in range(self.tokens):
+            delta = types.SimpleNamespace(content="x")
+            yield types.SimpleNamespace(usage=None, model_extra={}, choices=[types.SimpleNamespace(delta=delta)])
+        if self.then is not None:
+            raise self.then
+
+
+def _lost_connection():
+    import httpx
+    import openai
+
+    return openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions"))
+
+
+def test_a_connection_lost_before_any_token_is_sent_again_as_the_openai_sdk_does(capsys):
+    """llama-server dropped one c1 request's connection in most runs (2026-12-03 to 2026-12-06): the bench's
+    client, retries off so that no error is hidden, counted it as an error where a user's SDK client (two retries
+    by default) would have sent it again."""
+    import asyncio
+
+    from serve_app.bench.peers import CONNECT_RETRIES, _one, _say
+
+    once = _Flaky([_lost_connection()])
+    out = asyncio.run(_one(once, "m", "llama-server", "plain", 8, [{"role": "user", "content": "hi"}]))
+    assert once.calls == 2 and out.error is None and out.tokens == 3 and out.retries == 1
+    always = _Flaky([_lost_connection()] * (CONNECT_RETRIES + 1))
+    lost = asyncio.run(_one(always, "m", "llama-server", "plain", 8, [{"role": "user", "content": "hi"}]))
+    assert always.calls == CONNECT_RETRIES + 1 and lost.error.startswith("APIConnectionError")
+    _say("llama-server", "plain", "c1", [out, lost])
+    assert "1 errors, 2 requests sent again after a lost connection" in capsys.readouterr().err
+
+
+def test_a_stream_cut_after_its_first_tokens_is_an_error_not_a_retry():
+    import asyncio
+
+    from serve_app.bench.peers import _one
+
+    cut = _Flaky([], tokens=2, then=_lost_connection())
+    out = asyncio.run(_one(cut, "m", "calid", "ar", 8, [{"role": "user", "content": "hi"}]))
+    assert cut.calls == 1 and out.error == "APIConnectionError: Connection error. (after 2 tokens)"
+    assert out.first_s is not None and out.retries == 0
