@@ -44,7 +44,7 @@ class Outcome:
     prompt: str = ""  # what the client asked (a chat's user message), and the text it got back: kept by the
     text: str = ""  # benchmarks that read the outputs themselves (the n-gram-copyable share)
     drafted: int | None = None  # output tokens that came from drafts, where the server says (calid's stats)
-    retries: int = 0  # times the client sent it again after its connection failed before any token
+    retries: int = 0  # times the client sent it again after its connection failed before the server answered
 
     @property
     def ttft_s(self) -> float | None:

@@ -52,7 +52,7 @@ COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "t
            "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "slo_met",
            "draft_share", "spec_acceptance", "ngram_share", "limit_tok_s"]
 PROMPTS = 240  # prompts a run draws from, in turn
-CONNECT_RETRIES = 2  # the openai SDK's default max_retries: a connection lost before any token is tried again
+CONNECT_RETRIES = 2  # the openai SDK's default max_retries: a request whose connection failed is sent again
 
 
 def add_parser(sub) -> None:
@@ -463,9 +463,9 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
                prompt: str | None = None, ignore_eos: bool = True):
     """One streamed request (a chat with ``messages``, else a raw completion of ``prompt``), greedy, EOS
     ignored unless ``ignore_eos`` is False; tokens from the usage the server reports at the end, else one per chunk
-    with text. A connection that fails before any token is tried again, up to CONNECT_RETRIES times, as the openai
-    SDK's default client does (the bench's client has its own retries off, so that no other error is hidden); the
-    time lost counts against the request's TTFT."""
+    with text. A request whose connection fails before the server answers is sent again, up to CONNECT_RETRIES
+    times, as the openai SDK's default client does (the bench's client has its own retries off, so that no other
+    error is hidden; a stream cut once it began stays an error); the time lost counts against its TTFT."""
     from openai import APIConnectionError, APITimeoutError
 
     from calid.placement.traffic import Outcome
@@ -475,12 +475,13 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
                   stream_options={"include_usage": True})
     sent = time.perf_counter()
     for attempt in range(CONNECT_RETRIES + 1):
-        first, last, chunks, usage, pieces, drafted = None, None, 0, None, [], None
+        first, last, chunks, usage, pieces, drafted, answered = None, None, 0, None, [], None, False
         try:
             if messages is not None:
                 stream = await client.chat.completions.create(messages=messages, **common)
             else:
                 stream = await client.completions.create(prompt=prompt, **common)
+            answered = True
             async for chunk in stream:
                 if getattr(chunk, "usage", None) is not None:
                     usage = chunk.usage.completion_tokens
@@ -495,7 +496,7 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
                     first = first or last
                     chunks += 1
         except APIConnectionError as e:
-            if chunks == 0 and not isinstance(e, APITimeoutError) and attempt < CONNECT_RETRIES:
+            if not answered and not isinstance(e, APITimeoutError) and attempt < CONNECT_RETRIES:
                 continue
             return Outcome(sent, first, last, chunks, error=_failure(e, chunks), retries=attempt)
         except Exception as e:  # noqa: BLE001 - counted in the row's errors

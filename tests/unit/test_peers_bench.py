@@ -202,7 +202,7 @@ def _lost_connection():
     return openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions"))
 
 
-def test_a_connection_lost_before_any_token_is_sent_again_as_the_openai_sdk_does(capsys):
+def test_a_request_whose_connection_failed_before_an_answer_is_sent_again_as_the_openai_sdk_does(capsys):
     """llama-server dropped one c1 request's connection in most runs (2026-12-03 to 2026-12-06): the bench's
     client, retries off so that no error is hidden, counted it as an error where a user's SDK client (two retries
     by default) would have sent it again."""
@@ -220,7 +220,8 @@ def test_a_connection_lost_before_any_token_is_sent_again_as_the_openai_sdk_does
     assert "1 errors, 2 requests sent again after a lost connection" in capsys.readouterr().err
 
 
-def test_a_stream_cut_after_its_first_tokens_is_an_error_not_a_retry():
+def test_a_stream_cut_once_it_began_is_an_error_not_a_retry():
+    """The SDK sends a request again only where no answer came; the server may already be generating this one."""
     import asyncio
 
     from serve_app.bench.peers import _one
@@ -229,3 +230,6 @@ def test_a_stream_cut_after_its_first_tokens_is_an_error_not_a_retry():
     out = asyncio.run(_one(cut, "m", "calid", "ar", 8, [{"role": "user", "content": "hi"}]))
     assert cut.calls == 1 and out.error == "APIConnectionError: Connection error. (after 2 tokens)"
     assert out.first_s is not None and out.retries == 0
+    silent = _Flaky([], tokens=0, then=_lost_connection())  # cut before its first token, after the answer began
+    out = asyncio.run(_one(silent, "m", "calid", "ar", 8, [{"role": "user", "content": "hi"}]))
+    assert silent.calls == 1 and out.error == "APIConnectionError: Connection error." and out.first_s is None
