@@ -495,11 +495,10 @@ async def _one(client, model: str, server: str, mode: str, max_new: int, message
                     last = time.perf_counter()
                     first = first or last
                     chunks += 1
-        except APIConnectionError as e:
-            if not answered and not isinstance(e, APITimeoutError) and attempt < CONNECT_RETRIES:
-                continue
-            return Outcome(sent, first, last, chunks, error=_failure(e, chunks), retries=attempt)
         except Exception as e:  # noqa: BLE001 - counted in the row's errors
+            lost = isinstance(e, APIConnectionError) and not isinstance(e, APITimeoutError)
+            if lost and not answered and attempt < CONNECT_RETRIES:
+                continue
             return Outcome(sent, first, last, chunks, error=_failure(e, chunks), retries=attempt)
         break
     tokens = usage if usage else chunks
