@@ -52,6 +52,10 @@ COLUMNS = ["server", "mode", "load", "requests", "errors", "tokens", "tok_s", "t
            "rounds_vs_calid_ar", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "slo_met",
            "draft_share", "spec_acceptance", "ngram_share", "limit_tok_s"]
 PROMPTS = 240  # prompts a run draws from, in turn
+# fewest requests a point sends: HumanEval answers of Qwen 1.5B differ by 1.4x in TPOT under one server, so a point
+# of 4 decided by which 4 prompts it drew (auto / llama-server ngram-simple at c1, EPYC 2 cores: 0.96 and 0.97 in two
+# rounds of the same 4 prompts; 1.01 and 1.04 in two rounds of 16)
+MIN_REQUESTS = 16
 CONNECT_RETRIES = 2  # the openai SDK's default max_retries: a request whose connection failed is sent again
 
 
@@ -61,7 +65,8 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default="ar,auto,filter", help="calid modes to run (comma-separated)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated among {', '.join(PEERS)}")
     p.add_argument("--concurrency", default="1,4,8,16", help="closed-loop client counts")
-    p.add_argument("--requests", type=int, default=0, help="requests per point (default: 2 x concurrency, >= 4)")
+    p.add_argument("--requests", type=int, default=0,
+                   help=f"requests per point (default: 2 x concurrency, >= {MIN_REQUESTS})")
     p.add_argument("--rounds", type=int, default=1, help="repeats of the sweep, servers in reverse order every other "
                    "round (medians reported; the trace replay runs in the first round only)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="at most this many tokens an answer (default 96)")
@@ -255,8 +260,8 @@ def _draft_gguf(cfg, threads: int) -> Path | None:
 
 
 def _requests(args, c: int) -> int:
-    """How many requests a point at concurrency c sends: --requests, else twice c and at least 4."""
-    return args.requests or max(4, 2 * c)
+    """How many requests a point at concurrency c sends: --requests, else twice c and at least MIN_REQUESTS."""
+    return args.requests or max(MIN_REQUESTS, 2 * c)
 
 
 def _points(sweep: list[int], prompts: list[str], args) -> list[tuple[int, list[str]]]:

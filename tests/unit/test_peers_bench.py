@@ -7,7 +7,7 @@ import pytest
 
 from calid.placement.traffic import Outcome
 from calid.errors import CalidError
-from serve_app.bench.peers import _replay_plan, _rows
+from serve_app.bench.peers import MIN_REQUESTS, _points, _replay_plan, _rows
 
 
 def outcomes(n: int, ttft: float, tpot: float, tokens: int = 11) -> list[Outcome]:
@@ -233,3 +233,12 @@ def test_a_stream_cut_once_it_began_is_an_error_not_a_retry():
     silent = _Flaky([], tokens=0, then=_lost_connection())  # cut before its first token, after the answer began
     out = asyncio.run(_one(silent, "m", "calid", "ar", 8, [{"role": "user", "content": "hi"}]))
     assert silent.calls == 1 and out.error == "APIConnectionError: Connection error." and out.first_s is None
+
+
+def test_every_point_draws_at_least_min_requests_fresh_prompts_unless_told():
+    prompts = [f"p{i}" for i in range(200)]
+    points = _points([1, 4, 16], prompts, argparse.Namespace(requests=0))
+    assert [(c, len(ps)) for c, ps in points] == [(1, MIN_REQUESTS), (4, MIN_REQUESTS), (16, 32)]
+    sent = [p for _, ps in points for p in ps]
+    assert len(set(sent)) == len(sent) and prompts[0] not in sent  # none twice; prompts[0] warms a server up
+    assert [len(ps) for _, ps in _points([1, 4], prompts, argparse.Namespace(requests=3))] == [3, 3]
