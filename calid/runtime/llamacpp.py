@@ -123,6 +123,30 @@ class _Tree:
 
 
 @dataclass
+class _RowsRead:
+    """What one forward reads of its output rows: each flagged entry's SeqInput.reads, and for greedy chains with
+    SeqInput.expect each row's (input, expected token). A chain's rows are read in order up to the first whose
+    argmax misses its expected token; the rest, which its verdict never reads, are not (a HumanEval answer at one
+    request verifies copies of up to 32 tokens, a row's argmax over Qwen's 152k logits costs 0.02-0.04 ms)."""
+
+    reads: dict[int, str]
+    checks: dict[int, tuple[int, int | None]]
+    stopped: set[int] = field(default_factory=set)
+
+    def top1(self, entry: int, row: np.ndarray) -> int | None:
+        check = self.checks.get(entry)
+        if check is None:
+            return int(row.argmax())
+        k, expected = check
+        if k in self.stopped:
+            return None
+        top = int(row.argmax())
+        if top != expected:
+            self.stopped.add(k)
+        return top
+
+
+@dataclass
 class _Seq:
     slot: int
     tokens: list[int] = field(default_factory=list)  # ids whose K/V the slot holds
@@ -379,7 +403,13 @@ class LlamaCppRunner:
             wanted[k] = self._tree_nodes(s, inp, positions, at, cov, own, base, entries, copies, pinned)
         flagged = {i for rows in wanted for i in rows}
         reads = {i: inp.reads for inp, rows in zip(inputs, wanted) for i in rows}
-        got = {}  # entry -> its logits row, or what its input reads of it
+        # entry -> (its input, the token its argmax is checked against): a greedy chain's rows are read up to the
+        # first that differs (SeqInput.expect); ``stopped``: the inputs whose rows are no longer read
+        checks = {i: (k, inp.expect[j] if j < len(inp.expect) else None)
+                  for k, (inp, rows) in enumerate(zip(inputs, wanted))
+                  if inp.expect is not None and inp.reads == "top1" for j, i in enumerate(rows)}
+        rows_read = _RowsRead(reads, checks)
+        got = {}  # entry -> its logits row, or what its input reads of it (None: a row not read)
         for lo, hi in ((0, phase_b), (phase_b, len(entries))):
             if lo == phase_b:
                 for src, dst in copies:  # after phase A: the copies hold the committed tokens
@@ -391,13 +421,13 @@ class LlamaCppRunner:
                 routed = {i for i in call if entries[i][2] in plain and i >= plain[entries[i][2]][2]}
                 for part, on_plain in (([i for i in call if i not in routed], False), (sorted(routed), True)):
                     if part:
-                        got.update(self._run(entries, part, flagged, reads, inputs, plain if on_plain else None))
+                        got.update(self._run(entries, part, flagged, rows_read, inputs, plain if on_plain else None))
         for s in padded:
             self._trim(s, len(s.tokens))
         self.stats.tokens += len(entries)
         self.stats.forwards += 1
         self._synced.clear()
-        return [[got[e] for e in rows] if inp.reads != "rows"
+        return [[got[e] for e in rows if got[e] is not None] if inp.reads != "rows"
                 else got[rows[0]][None] if len(rows) == 1 else torch.stack([got[e] for e in rows])
                 for inp, rows in zip(inputs, wanted)]
 
@@ -485,7 +515,7 @@ class LlamaCppRunner:
         before = min(at, default=len(inp.tokens) - 1)  # tokens before the first row asked for
         return before + 1 >= self.plain_run_tokens and len(at) <= before
 
-    def _run(self, entries: list, call: list[int], flagged: set, reads: dict, inputs: list[SeqInput],
+    def _run(self, entries: list, call: list[int], flagged: set, reads: "_RowsRead", inputs: list[SeqInput],
              plain: dict | None) -> dict:
         """Decode the entries ``call`` indexes, on this context or (``plain``: slot -> (sequence, the tokens
         before its run, the run's first entry)) on the plain weights' one, whose streams then replace the
@@ -498,7 +528,7 @@ class LlamaCppRunner:
         try:
             self._decode([entries[i] for i in call], [i in flagged for i in call], inputs, ctx)
             mine = [i for i in call if i in flagged]
-            out = dict(zip(mine, self._outputs([reads[i] for i in mine], ctx))) if mine else {}
+            out = dict(zip(mine, self._outputs(mine, reads, ctx))) if mine else {}
             if plain is not None:
                 start = time.perf_counter()
                 for slot, (s, _, _) in plain.items():
@@ -534,20 +564,21 @@ class LlamaCppRunner:
                 self._release(inp.seq_id)
             raise LlamaCppError(f"llama_decode failed (code {rc}) on {len(entries)} tokens")
 
-    def _outputs(self, reads: list[str], ctx=None) -> list:
-        """The last decode's output rows, in batch order, each as its input ``reads`` it (SeqInput): "top1" its
-        argmax id, "top1_nll" that and its NLL, both read where llama.cpp left the row, "rows" a copied [V]
-        float32 tensor. On a 2-core CPU, right after a decode, a row of Qwen's 152k logits costs 0.6-1.3 ms to
-        copy out and the first torch call of a step 0.2-0.9 ms more; a greedy step here makes neither (Qwen 1.5B
-        at one request, in process, time per step beside llama_decode: ar 2.8 -> 1.5 ms, auto with its longer
-        verifications 4.7 -> 2.8 ms)."""
+    def _outputs(self, mine: list[int], rows_read: "_RowsRead", ctx=None) -> list:
+        """The last decode's output rows (of entries ``mine``), in batch order, each as its input reads it
+        (SeqInput): "top1" its argmax id (None past a greedy chain's first miss: SeqInput.expect), "top1_nll" that
+        and its NLL, both read where llama.cpp left the row, "rows" a copied [V] float32 tensor. On a 2-core CPU,
+        right after a decode, a row of Qwen's 152k logits costs 0.6-1.3 ms to copy out and the first torch call of a
+        step 0.2-0.9 ms more; a greedy step here makes neither (Qwen 1.5B at one request, in process, time per step
+        beside llama_decode: ar 2.8 -> 1.5 ms, auto with its longer verifications 4.7 -> 2.8 ms)."""
+        reads = [rows_read.reads[i] for i in mine]
         view = self._logits(ctx or self._ctx, len(reads))
         if all(r == "rows" for r in reads):
             return list(torch.from_numpy(view.copy()))
-        if all(r == "top1" for r in reads):
+        if all(r == "top1" for r in reads) and not rows_read.checks:
             return view.argmax(-1).tolist()
-        return [int(row.argmax()) if r == "top1" else _top1_nll(row) if r == "top1_nll"
-                else torch.from_numpy(row.copy()) for row, r in zip(view, reads)]
+        return [rows_read.top1(i, row) if r == "top1" else _top1_nll(row) if r == "top1_nll"
+                else torch.from_numpy(row.copy()) for i, row, r in zip(mine, view, reads)]
 
     def _logits(self, ctx, rows: int) -> np.ndarray:
         """The last decode's first ``rows`` output rows, a view where llama.cpp left them. Views are kept by the

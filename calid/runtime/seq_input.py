@@ -19,7 +19,10 @@ class SeqInput:
     verdict), and "top1_nll": its argmax and that token's NLL under the softmax (a greedy draft's confidence):
     then a runner may answer with a list of len(logits_at) argmax ids, or of (id, NLL) pairs, instead of the
     [len(logits_at), V] rows (llama.cpp does: no row of the vocabulary's width leaves it). A runner may always
-    answer with the rows (calid.decoding.sampling.argmax_rows takes either).
+    answer with the rows (calid.decoding.sampling.argmax_rows takes either). ``expect`` (with "top1"): the token
+    each row is checked against, a greedy chain's draft (row i's argmax against expect[i]; a row past its end is
+    checked against nothing): a runner may stop reading rows after the first whose argmax is not its expected
+    token and answer with the ids up to and including that row, all a greedy verdict reads.
     """
 
     seq_id: Hashable
@@ -28,6 +31,7 @@ class SeqInput:
     ancestors: torch.Tensor | None = None
     logits_at: list[int] | None = None
     reads: str = "rows"  # rows | top1 | top1_nll
+    expect: list[int] | None = None
     # tokens a runner that splits a batch into slices may feed after a chain's own (never returning their logits,
     # dropping their cells after the forward) so that the batch's sequences run as one slice (calid.planning:
     # batch_level); other runners ignore it

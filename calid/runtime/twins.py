@@ -34,7 +34,8 @@ def find_twins(inputs: list[SeqInput], cached: Callable[[Hashable], list[int]],
     mode: a block boundary)."""
     leaders: dict[tuple, list[int]] = {}
     twins = {}
-    chains = {i: _chain_prefix(inp) for i, inp in enumerate(inputs) if len(inp.tokens) >= MIN_TWIN_TOKENS}
+    chains = {i: _chain_prefix(inp) for i, inp in enumerate(inputs)  # a checked chain may answer fewer rows
+              if len(inp.tokens) >= MIN_TWIN_TOKENS and inp.expect is None}
     for i, inp in enumerate(inputs):
         if chains.get(i, 0) < MIN_TWIN_TOKENS:
             continue

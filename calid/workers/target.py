@@ -250,8 +250,9 @@ class TargetWorker:
         suffix = self.runner.sync(t.request_id, committed + t.draft, keep_at_most=len(committed) - 1)
         n = len(suffix)
         reads = "top1" if _greedy_chain(t) else "rows"
-        if t.decode.mode in ("speculative", "rollback"):
-            return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)), reads=reads)
+        if t.decode.mode in ("speculative", "rollback"):  # a greedy verdict reads rows up to the first miss
+            return SeqInput(t.request_id, suffix, logits_at=list(range(n - g - 1, n)), reads=reads,
+                            expect=list(t.draft) if reads == "top1" else None)
         start = len(committed) + g - n  # the position of suffix[0]
         if t.decode.mode != "filter":
             return SeqInput(t.request_id, suffix, logits_at=[n - 1], reads=reads)

@@ -107,6 +107,28 @@ def test_inputs_that_read_only_the_top1_get_it_beside_inputs_that_take_their_row
     assert r.cached_count() == 0
 
 
+def test_a_checked_greedy_chain_is_read_up_to_its_first_miss_and_no_further(ll, prompts):
+    """SeqInput.expect: a chain's rows are read in order while each argmax is its expected token; the row of
+    the first miss is the last one read. Beside it, an unchecked chain of the same forward gets every row."""
+    r = ll.runner
+    a, b, _ = ids_of(ll, prompts)
+    ref = r.forward([SeqInput("ref", a, logits_at=all_rows(len(a)))])[0].argmax(-1).tolist()
+    r.release("ref")
+    # the prompt's own next tokens as the draft: the model's argmax is one at some rows and not at others
+    first_miss = next(i for i in range(len(a) - 1) if ref[i] != a[i + 1])
+    draft = a[1:]
+    out = r.forward([SeqInput("a", a, logits_at=all_rows(len(a)), reads="top1", expect=draft),
+                     SeqInput("b", b, logits_at=all_rows(len(b)), reads="top1")])
+    assert out[0] == ref[: first_miss + 1]
+    assert len(out[1]) == len(b)
+    r.release("a")
+    # expected tokens that every row agrees with: every row read, the one past them included
+    assert r.forward([SeqInput("a", a, logits_at=all_rows(len(a)), reads="top1", expect=ref[:-1])])[0] == ref
+    for s in ("a", "b"):
+        r.release(s)
+    assert r.cached_count() == 0
+
+
 @pytest.mark.xfail(strict=True, reason="known: llama.cpp's CPU flash attention rounds a row past position 256 "
                    "differently when a longer stream in a later slot shares its call; without flash attention "
                    "a verify row differs from a one-token step instead (README: Lossless and deterministic)")
