@@ -26,7 +26,7 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable, Generator, Hashable
+from typing import Any, Callable, Generator, Hashable
 
 from calid.decoding.budget import AgreementTable, BudgetController
 from calid.decoding.modes import DecodeParams
@@ -347,17 +347,17 @@ class Orchestrator:
         rid, decode = s.req.request_id, s.req.decode
         # an untried tree starts a little above a chain's prior (it also tries the draft's next-best tokens
         # where it is unsure), so it gets tried where verifying its extra tokens is nearly free
-        tree = self._tree_acceptance.setdefault(rid, Acceptance(accepted=1.0)) if self.has_draft else None
+        tree = _held(self._tree_acceptance, rid, lambda: Acceptance(accepted=1.0)) if self.has_draft else None
         cap = 0 if s.prefilling else self._draft_budget(s, decode.gamma)
-        ngram = self._ngrams.setdefault(rid, NgramIndex())
+        ngram = _held(self._ngrams, rid, NgramIndex)
         ngram.extend(s.token_ids)
         # a copy is not bound by gamma (a draft model's chain length): it costs only its verification
         copy = ngram.copy(0 if s.prefilling else self._draft_budget(s, max(decode.gamma, MAX_CHAIN)))
         self._ngram_proposal[rid] = copy
-        share = self._copy_share.setdefault(rid, CopyShare()).value
+        share = _held(self._copy_share, rid, CopyShare).value
         return PlanInput.of_copy(copy, self.copy_hazard.survival(copy, share),
-                                 alpha=self._acceptance.setdefault(rid, Acceptance()).alpha, cap=cap,
-                                 lookahead_gain=self._lookahead_gain.setdefault(rid, Gain()).mean,
+                                 alpha=_held(self._acceptance, rid, Acceptance).alpha, cap=cap,
+                                 lookahead_gain=_held(self._lookahead_gain, rid, Gain).mean,
                                  tree_alpha=tree.alpha if tree else None, tree_width=decode.tree_width,
                                  tree_chains=decode.tree_chains, remaining=self._tokens_left(s),
                                  draft_setup_s=self.draft_prefill_s * max(0, len(s.token_ids)
@@ -567,6 +567,15 @@ class Orchestrator:
             return
         step = ADAPT_STEP if accepted < proposed else -ADAPT_STEP
         s.set_threshold(min(0.99, max(0.0, s.threshold + step)))
+
+
+def _held(table: dict, key: Hashable, make: Callable[[], Any]) -> Any:
+    """``table[key]``, made by ``make()`` the first time (``setdefault`` builds a new one on every call: an n-gram
+    index's tables and four estimators a planning step, thrown away)."""
+    value = table.get(key)
+    if value is None:
+        value = table[key] = make()
+    return value
 
 
 def advance(step: Generator[StepIO, list | None, None], reply: list | None = None) -> StepIO | None:

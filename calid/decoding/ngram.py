@@ -218,15 +218,20 @@ class CopyHazard:
         self.prior, self.decay = prior, decay
         self.held = [[0.0] * len(RUN_BUCKETS) for _ in SHARE_CLASSES]
         self.broke = [[0.0] * len(RUN_BUCKETS) for _ in SHARE_CLASSES]
-        self._hazards: list[list[float]] = [[] for _ in SHARE_CLASSES]  # by run length, rebuilt after observing
+        # run length -> hazard, by class: only the runs a copy asks for, forgotten when the class observes (a copy
+        # that agrees 200 tokens back asks for runs 198.., and every verified copy observes: a table from run 0 up
+        # was rebuilt nearly every step)
+        self._hazards: list[dict[int, float]] = [{} for _ in SHARE_CLASSES]
 
     def survival(self, copy: Copy, share: float = 0.0) -> list[float]:
         """S(1), ..., S(len(copy.tokens)) as ``Copy.survival``, by the hazards learned for requests whose CopyShare
         is ``share``."""
         k, run = _share_class(share), max(0, copy.agreed - copy.min_n)
-        hazards = self._table(k, run + len(copy.tokens))
-        out, s = [], 1.0
-        for h in hazards[run: run + len(copy.tokens)]:
+        hazards, out, s = self._hazards[k], [], 1.0
+        for a in range(run, run + len(copy.tokens)):
+            h = hazards.get(a)
+            if h is None:
+                h = hazards[a] = self._hazard(k, a)
             s *= 1.0 - h
             out.append(s)
         return out
@@ -245,13 +250,7 @@ class CopyHazard:
                 held_k[b] += 1
             else:
                 broke_k[b] += 1
-        self._hazards[k] = []
-
-    def _table(self, k: int, longest: int) -> list[float]:
-        table = self._hazards[k]
-        if len(table) < longest:
-            table = self._hazards[k] = [self._hazard(k, a) for a in range(max(longest, 2 * len(table), 64))]
-        return table
+        self._hazards[k] = {}
 
     def _hazard(self, k: int, run: int) -> float:
         b = _bucket(run)
