@@ -40,10 +40,9 @@ class Recorder:
         if start:
             threading.Thread(target=self._run, name="calid-metrics", daemon=True).start()
 
-    def gauge(self, metric) -> "_Noted":
+    def noted(self, metric) -> "_Noted":
+        """``metric`` (a Ray Counter, Gauge or Histogram) with its setters noted here."""
         return _Noted(self, metric)
-
-    counter = histogram = gauge
 
     def note(self, kind: str, metric, value: float, tags: dict | None) -> None:
         key = (id(metric), tuple(sorted(tags.items())) if tags else ())
@@ -113,13 +112,13 @@ class _Deferred:
         self._rec = recorder()
 
     def Counter(self, *args, **kwargs) -> _Noted:  # noqa: N802 (ray.serve.metrics' names)
-        return self._rec.counter(ray_metrics.Counter(*args, **kwargs))
+        return self._rec.noted(ray_metrics.Counter(*args, **kwargs))
 
     def Gauge(self, *args, **kwargs) -> _Noted:  # noqa: N802
-        return self._rec.gauge(ray_metrics.Gauge(*args, **kwargs))
+        return self._rec.noted(ray_metrics.Gauge(*args, **kwargs))
 
     def Histogram(self, *args, **kwargs) -> _Noted:  # noqa: N802
-        return self._rec.histogram(ray_metrics.Histogram(*args, **kwargs))
+        return self._rec.noted(ray_metrics.Histogram(*args, **kwargs))
 
 
 class RouterMetrics:

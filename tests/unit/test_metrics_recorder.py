@@ -31,7 +31,7 @@ class Seen:
 def test_noted_updates_reach_the_metrics_at_flush_as_ray_would_hold_them():
     rec = Recorder(start=False)
     g, c, h = Seen(), Seen(), Seen()
-    gauge, counter, hist = rec.gauge(g), rec.counter(c), rec.histogram(h)
+    gauge, counter, hist = rec.noted(g), rec.noted(c), rec.noted(h)
     for v in (3, 5, 4):
         gauge.set(v)
     gauge.set(7, tags={"role": "draft"})
@@ -53,8 +53,8 @@ def test_noted_updates_reach_the_metrics_at_flush_as_ray_would_hold_them():
 def test_an_update_a_metric_refuses_loses_no_other():
     rec = Recorder(start=False)
     bad, good = Seen(fail=True), Seen()
-    rec.gauge(bad).set(1)
-    rec.histogram(good).observe(2)
+    rec.noted(bad).set(1)
+    rec.noted(good).observe(2)
     rec.flush()
     assert good.calls == [("observe", 2, None)]
 
@@ -62,7 +62,7 @@ def test_an_update_a_metric_refuses_loses_no_other():
 def test_the_recorder_thread_flushes_on_its_own():
     rec = Recorder(every_s=0.01)
     h = Seen()
-    rec.histogram(h).observe(5)
+    rec.noted(h).observe(5)
     deadline = time.monotonic() + 10
     while not h.calls and time.monotonic() < deadline:
         time.sleep(0.01)
