@@ -34,6 +34,21 @@ def test_rate_window_counts_sources_and_forgets():
     assert w.snapshot(now=200.0)["token_rate"] == 0.0
 
 
+def test_rate_window_sums_follow_entries_as_they_leave():
+    """The kept sums equal a count over the entries still in the window, entry by entry as old ones leave."""
+    w = RateWindow(window_s=10.0)
+    entries = [(float(t), t % 3, 2 * t + 1, t % 2 == 0) for t in range(30)]
+    for t, d, g, uses in entries:
+        w.add(d, g, uses, now=t)
+    for now in (29.0, 33.5, 38.0, 39.5, 45.0):
+        kept = [e for e in entries if e[0] >= now - 10.0]
+        draft, target = sum(e[1] for e in kept), sum(e[2] for e in kept)
+        snap = w.snapshot(now=now)
+        assert snap["token_rate"] == pytest.approx((draft + target) / 10.0)
+        assert snap["filtered_fraction"] == pytest.approx(draft / (draft + target) if kept else 0.0)
+        assert snap["draft_demand"] == pytest.approx(sum(e[1] + e[2] for e in kept if e[3]) / 10.0)
+
+
 def _ctx(metrics, state=None):
     return SimpleNamespace(aggregated_metrics=metrics, policy_state=state or {})
 
