@@ -83,6 +83,14 @@ def _lib():
     return llama_cpp
 
 
+def _address_of_logits(lib):
+    """llama_get_logits returning the buffer's address as an int: llama-cpp-python's binding returns a float
+    pointer, which a step then cast to an address (a ctypes cast per forward)."""
+    fn = lib.llama_cpp._lib["llama_get_logits"]  # a function object of its own: the binding's keeps its types
+    fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_void_p
+    return fn
+
+
 def default_threads() -> int:
     """CPUs this process may run on (a Ray replica's affinity, a container's CPU set)."""
     try:
@@ -163,6 +171,7 @@ class LlamaCppRunner:
                  slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True,
                  prompt_cache: bool | None = None, plain_prefill: bool = False):
         lib = self._lib = _lib()
+        self._logits_at = _address_of_logits(lib)
         gguf = Path(gguf)
         if not gguf.is_file():
             raise LlamaCppError(f"GGUF file not found: {gguf}")
@@ -553,7 +562,10 @@ class LlamaCppRunner:
             b.seq_id[i][0] = slot
             b.logits[i] = flag
         b.n_tokens = len(entries)
-        self.stats.ubatches += len(ubatches([e[2] for e in entries], self._n_ubatch))
+        if entries[0][2] == entries[-1][2]:  # one sequence (a call is in slot order): ubatches' count, directly
+            self.stats.ubatches += -(-len(entries) // self._n_ubatch)
+        else:
+            self.stats.ubatches += len(ubatches([e[2] for e in entries], self._n_ubatch))
         start = time.perf_counter()
         rc = self._lib.llama_decode(ctx or self._ctx, b)
         if ctx is None or ctx == self._ctx:
@@ -585,7 +597,7 @@ class LlamaCppRunner:
         buffer's address and the row count (a row count's view is valid wherever a decode gave that many rows at that
         address): numpy's ctypes bridge (np.ctypeslib.as_array) built its array types anew each call, 0.07 ms of a
         step's 1.3 beside the forward (Qwen 1.5B, auto, one request, this 2-core CPU)."""
-        address = ctypes.cast(self._lib.llama_get_logits(ctx), ctypes.c_void_p).value
+        address = self._logits_at(ctx)
         view = self._views.get((address, rows))
         if view is None:
             if len(self._views) >= MAX_VIEWS:
