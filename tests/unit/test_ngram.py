@@ -83,6 +83,23 @@ def test_agreement_counts_back_from_the_match_to_the_first_difference():
     assert index([1, 2, 3, 4]).copy(4) == Copy([], 0) and index([1, 2, 1, 2]).copy(0) == Copy([], 0)
 
 
+def test_a_long_agreement_is_counted_to_the_token_whatever_the_walks_chunks():
+    """Copies longer than the walk's chunks (RUN_CHUNK): the count stops at the first difference, at the limit,
+    and at the sequence's start, token-exact on either side of a chunk's edge."""
+    from calid.decoding.ngram import RUN_CHUNK, agreement
+
+    body = list(range(100, 100 + 3 * RUN_CHUNK + 5))
+    for differ_at in (1, RUN_CHUNK - 1, RUN_CHUNK, RUN_CHUNK + 1, 2 * RUN_CHUNK + 3):
+        # the copy's last differ_at - 1 tokens are the source's, the ones before them all differ (no edit to skip)
+        copy = [5000 + t for t in body[: len(body) - differ_at + 1]] + body[len(body) - differ_at + 1:]
+        ids = [1] + body + [2] + copy
+        assert agreement(ids, 1 + len(body), len(ids)) == differ_at - 1
+    ids = body + [2] + body  # agrees back to the sequence's start
+    assert agreement(ids, len(body), len(ids)) == len(body)
+    for longest in (RUN_CHUNK - 1, RUN_CHUNK, 2 * RUN_CHUNK + 1):
+        assert agreement(ids, len(body), len(ids), longest=longest) == longest
+
+
 def test_agreement_runs_on_through_small_edits():
     """A renamed function: the copy breaks where the new name has an extra token, then agrees again."""
     from calid.decoding.ngram import EDITS, agreement
