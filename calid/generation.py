@@ -184,6 +184,40 @@ class RequestState:
             return StreamEvent(self.req.request_id, text, [token], self.result(now))
         return StreamEvent(self.req.request_id, text, [token])
 
+    def extend(self, tokens: list[int], now: float, from_draft: int, decided: tuple[int, ...], max_position: int
+               ) -> StreamEvent:
+        """``append`` of each token in turn up to the one that finishes the request, as one event: their ids and
+        text (tokens before ``from_draft`` came from the draft, but for those at ``decided``)."""
+        if self.stream.stop:  # where a stop string ends decides which tokens are output: token by token
+            events = []
+            for i, token in enumerate(tokens):
+                events.append(self.append(token, now, i < from_draft and i not in decided, max_position))
+                if self.finish_reason:
+                    break
+            return StreamEvent(self.req.request_id, "".join(e.text for e in events),
+                               [t for e in events for t in e.token_ids], events[-1].result)
+        params, taken = self.req.params, []
+        for i, token in enumerate(tokens):
+            self.output.append(token)
+            self._ids.append(token)
+            if i < from_draft and i not in decided:
+                self.stats.draft_tokens += 1
+            else:
+                self.stats.target_tokens += 1
+            if token in self.eos_ids and not params.ignore_eos:
+                self.finish_reason = "eos"
+                break
+            taken.append(token)
+            if len(self.output) >= params.max_new_tokens or len(self._ids) >= max_position:
+                self.finish_reason = "length"
+                break
+        self.first_token_at = self.first_token_at or now
+        text = self.stream.push_many(taken)
+        ids = tokens[: len(taken) + (self.finish_reason == "eos")]
+        if self.finish_reason:
+            return StreamEvent(self.req.request_id, text + self.stream.finish(), ids, self.result(now))
+        return StreamEvent(self.req.request_id, text, ids)
+
     def result(self, now: float) -> GenerationResult:
         return GenerationResult(
             self.req.request_id, len(self.req.prompt_ids), self.output, self.stream.text,

@@ -535,14 +535,11 @@ class Orchestrator:
     def _append(self, s: RequestState, new: list[int], from_draft: int, now: float, decided: tuple[int, ...] = ()
                 ) -> list[StreamEvent]:
         """Append ``new`` (its first ``from_draft`` tokens came from the draft, but for those at ``decided``: filter
-        tokens the target picked) until the request finishes."""
-        events = []
-        for i, token in enumerate(new):
-            events.append(s.append(token, now, from_draft=i < from_draft and i not in decided,
-                                   max_position=self.max_position))
-            if s.finish_reason:
-                break
-        return events
+        tokens the target picked) until the request finishes: one event."""
+        if len(new) == 1:
+            return [s.append(new[0], now, from_draft=from_draft > 0 and 0 not in decided,
+                             max_position=self.max_position)]
+        return [s.extend(new, now, from_draft, decided, self.max_position)] if new else []
 
     def _draft_budget(self, s: RequestState, gamma: int | None = None) -> int:
         """Most draft tokens worth proposing now: the step's gamma, the request's remaining budget, the context."""

@@ -65,6 +65,21 @@ class TextStream:
             self._check_stop(len(after) - len(before))
         return self._release(final=False)
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """``push`` of each token in turn, with the text it would have shown by the last one: with no stop strings
+        and the tokens ending on a whole character, decoded once (a verification keeps up to 32 tokens a step;
+        two decodes each were 0.01 ms a token). Otherwise token by token."""
+        if len(token_ids) > 1 and self._matcher is None and not self.stopped:
+            self.ids += token_ids
+            before = self._decode(self.ids[self._prefix: self._read])
+            after = self._decode(self.ids[self._prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self._prefix, self._read = self._read, len(self.ids)
+                return self._release(final=False)
+            del self.ids[-len(token_ids):]  # a character left open: where each token's text ends matters
+        return "".join(self.push(t) for t in token_ids)
+
     def finish(self) -> str:
         """Flush held-back text at the end of generation."""
         return self._release(final=True)

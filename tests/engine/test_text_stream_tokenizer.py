@@ -23,3 +23,24 @@ def test_the_library_decode_is_used_only_where_it_is_the_tokenizers_own(smol):
             return "-".join(map(str, ids))
 
     assert _decoder(Wrapped())([1, 2]) == "1-2"
+
+
+def test_a_steps_tokens_pushed_at_once_show_the_text_token_by_token_pushes_show(smol):
+    """push_many over every way of cutting the ids into steps of 1-5 tokens: after each step the text shown so far
+    is what pushing its tokens one by one shows, including steps that end inside a multi-byte character."""
+    import random
+
+    tok = smol.tokenizer
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    rng = random.Random(0)
+    for _ in range(40):
+        one, many, shown_one, shown_many, at = TextStream(tok), TextStream(tok), "", "", 0
+        while at < len(ids):
+            step = ids[at: at + rng.randint(1, 5)]
+            at += len(step)
+            shown_one += "".join(one.push(i) for i in step)
+            shown_many += many.push_many(step)
+            assert shown_many == shown_one and many.text == one.text
+        assert shown_many + many.finish() == TEXT
+    stopped = TextStream(tok, stop=("return",))  # with stop strings: token by token, cut where the stop starts
+    assert stopped.push_many(ids) + stopped.finish() == TEXT[: TEXT.index("return")] and stopped.stopped
