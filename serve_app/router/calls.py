@@ -136,11 +136,12 @@ class WorkerCalls:
         self.seconds = Counter()  # time spent waiting for calls, by role
         self.timed: dict[str, list[tuple[str | None, list, Reply, float]]] = {"draft": [], "target": []}
 
-    def report(self) -> dict:
+    def report(self, echo: bool = True) -> dict:
+        """This router's load and (``echo``) the requests it released in the last RELEASE_ECHO_S."""
         horizon = time.monotonic() - RELEASE_ECHO_S
         while self._released and (self._released[0][0] < horizon or len(self._released) > RELEASE_ECHO_MAX):
             self._released.popleft()
-        return {"router": self.router_id, **self.load(), "released": [rid for _, rid in self._released]}
+        return {"router": self.router_id, **self.load(), "released": [rid for _, rid in self._released] if echo else []}
 
     def _handle(self, role: str):
         return (self.draft, "draft") if role == "draft" else (self.target, "verify")
@@ -214,15 +215,18 @@ class WorkerCalls:
     async def _call(self, role: str, tasks: list, retries: int) -> tuple[list, dict[str, Failure]]:
         handle, method = self._handle(role)
         self._refresh_live(role)
-        report = self.report()
+        local = in_process(handle)  # the only replica of its role, in this process: its tasks' ids are not copied
+        # and its releases reach it directly, so full ids cost nothing to send and no release needs an echo
+        report = self.report(echo=not local)
         for attempt in range(retries + 1):
             placed = self._place(role, tasks)
             self.fanout[role] = max(self.fanout[role], len(placed))
             timed = self.timed[role] = []
-            sends = [(where, group, [self._delta(role, t, where) for t in group]) for where, group in placed.items()]
+            sends = [(where, group, group if local else [self._delta(role, t, where) for t in group])
+                     for where, group in placed.items()]
             calls = []
             try:
-                if in_process(handle):  # workers in this process (engine topology): awaited in turn, in this task
+                if local:  # workers in this process (engine topology): awaited in turn, in this task
                     replies = [await _timed(self._send(role, handle, method, where, sent, report), group, timed)
                                for where, group, sent in sends]
                 else:
