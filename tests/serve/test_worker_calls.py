@@ -158,3 +158,34 @@ def test_a_release_reaches_the_replica_holding_the_request_and_forgets_what_it_h
     assert holder.released == ["x"] and not ({"a": a, "b": b}[where["y"]]).released
     assert "x" not in calls._pins["target"] and "x" not in calls._held["target"]
     assert "x" in calls.report()["released"]  # and the echo carries it to every other replica
+
+
+def test_a_worker_in_this_process_gets_full_ids_and_no_release_echo():
+    """The engine topology's one replica per role (LocalHandle): nothing is serialised, so a task keeps its full
+    ids (no delta to build there and expand again), and releases reach it directly, so calls carry no echo."""
+    from types import SimpleNamespace
+
+    from serve_app.workers.colocated import LocalHandle
+
+    local = _Replica("local-1")
+    reports = []
+
+    async def verify(tasks, report=None, replica=None):
+        reports.append(report)
+        return await local.verify(tasks, report, replica)
+
+    local_handle = LocalHandle(SimpleNamespace(verify=verify, release=lambda *a, **k: asyncio.sleep(0),
+                                               whoami=lambda: asyncio.sleep(0, "local-1")))
+
+    async def run():
+        calls = _calls(local_handle)
+        await calls.call("target", [_task("x", [1, 2, 3])])
+        calls.release([SimpleNamespace(req=SimpleNamespace(request_id="gone"), token_ids=[5])])
+        await calls.call("target", [_task("x", [1, 2, 3, 4])])
+        return calls
+
+    calls = asyncio.run(run())
+    sent = [[(t.token_ids, t.ids_from) for t in call] for call in local.calls]
+    assert sent == [[([1, 2, 3], 0)], [([1, 2, 3, 4], 0)]]
+    assert [r["released"] for r in reports] == [[], []]
+    assert "gone" in calls.report()["released"]  # a Serve replica's report still carries it
