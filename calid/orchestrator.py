@@ -536,9 +536,6 @@ class Orchestrator:
                 ) -> list[StreamEvent]:
         """Append ``new`` (its first ``from_draft`` tokens came from the draft, but for those at ``decided``: filter
         tokens the target picked) until the request finishes: one event."""
-        if len(new) == 1:
-            return [s.append(new[0], now, from_draft=from_draft > 0 and 0 not in decided,
-                             max_position=self.max_position)]
         return [s.extend(new, now, from_draft, decided, self.max_position)] if new else []
 
     def _draft_budget(self, s: RequestState, gamma: int | None = None) -> int:
