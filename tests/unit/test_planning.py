@@ -551,6 +551,30 @@ def test_a_group_plan_is_plan_steps_with_the_forecasts_step_saving_makes(reqs, s
     assert planned.plain == pytest.approx(step_saving([AR] * len(reqs), reqs, GPU_LIKE, CHEAP_DRAFT, 1, sliced))
 
 
+@settings(max_examples=200, deadline=None)
+@given(alpha=st.floats(0.0, 1.0), cap=st.integers(0, 40), copy_n=st.integers(0, 40), held=st.floats(0.0, 1.0),
+       gain=st.one_of(st.none(), st.floats(0.0, 8.0)), tree=st.one_of(st.none(), st.floats(0.0, 1.0)),
+       setup=st.floats(0.0, 0.05), remaining=st.one_of(st.none(), st.integers(1, 200)),
+       costs=st.sampled_from([(GPU_LIKE, CHEAP_DRAFT), (CPU_LIKE, CHEAP_DRAFT), (CPU_LIKE, CostTable())]),
+       sliced=st.booleans())
+def test_a_request_alone_is_planned_as_the_general_pricing_plans_it(alpha, cap, copy_n, held, gain, tree, setup,
+                                                                    remaining, costs, sliced):
+    """One request with the forward to itself takes a direct pricing (planning._plan_alone): the same choice,
+    forecasts and saving as the general one, for every kind of option."""
+    verify, draft = costs
+    reqs = [PlanInput(alpha=alpha, cap=cap, lookahead_gain=gain, tree_alpha=tree, draft_setup_s=setup,
+                      remaining=remaining, **copy(copy_n, held))]
+    planned = plan_group(reqs, verify, draft, 0, sliced=sliced)
+    step = _Step(reqs, verify, draft, 0, [AR], sliced)
+    step.choose(0, reqs[0].options(draft.known))
+    assert planned.chosen == step.plan
+    assert planned.forecast == pytest.approx(step_saving(step.plan, reqs, verify, draft, 0, sliced))
+    assert planned.plain == pytest.approx(step_saving([AR], reqs, verify, draft, 0, sliced))
+    for produced in (0, 1, 5, 300):
+        assert planned.saved([produced]) == pytest.approx(step.togo.start - step.togo([max(0.0, step.left[0]
+                                                                                           - produced)]))
+
+
 def test_the_guard_stops_copies_that_leave_one_request_behind_though_their_tokens_come_cheaper():
     """Four requests in a burst (Qwen 1.5B, 2-core CPU, in process): three copied far ahead, 30 ms a token
     against 34.5 in plain steps of four, and the fourth then decoded its last 58 tokens alone at 75 ms each:
