@@ -78,17 +78,23 @@ class NgramIndex:
             self._push(token)
 
     def _push(self, token: int) -> None:
-        self.ids.append(token)
-        end = len(self.ids)
+        ids, pendings = self.ids, self._pending
+        ids.append(token)
+        end = len(ids)
         for n, table in self._last.items():
             if end < n:
                 continue
-            pending = self._pending[n]  # the previous newest n-gram becomes matchable now
+            pending = pendings[n]  # the previous newest n-gram becomes matchable now
             if pending is not None:
-                ends = table.setdefault(pending[0], [])
-                ends.insert(0, pending[1])
-                del ends[CANDIDATES:]
-            self._pending[n] = (tuple(self.ids[end - n:]), end)
+                gram, at = pending
+                ends = table.get(gram)
+                if ends is None:
+                    table[gram] = [at]
+                else:
+                    ends.insert(0, at)
+                    if len(ends) > CANDIDATES:
+                        ends.pop()
+            pendings[n] = (tuple(ids[end - n:]), end)
 
     def propose(self, max_tokens: int) -> list[int]:
         """Draft tokens that followed the most recent earlier occurrence of the longest matching suffix (without
@@ -231,21 +237,18 @@ class CopyHazard:
         self.prior, self.decay = prior, decay
         self.held = [[0.0] * len(RUN_BUCKETS) for _ in SHARE_CLASSES]
         self.broke = [[0.0] * len(RUN_BUCKETS) for _ in SHARE_CLASSES]
-        # run length -> hazard, by class: only the runs a copy asks for, forgotten when the class observes (a copy
-        # that agrees 200 tokens back asks for runs 198.., and every verified copy observes: a table from run 0 up
-        # was rebuilt nearly every step)
-        self._hazards: list[dict[int, float]] = [{} for _ in SHARE_CLASSES]
 
     def survival(self, copy: Copy, share: float = 0.0) -> list[float]:
         """S(1), ..., S(len(copy.tokens)) as ``Copy.survival``, by the hazards learned for requests whose CopyShare
-        is ``share``."""
+        is ``share``: only the runs the copy asks for (one that agrees 200 tokens back asks for runs 198..), the
+        bucket's counts read once per bucket (every verified copy changes them: a cache of hazards lasted a step)."""
         k, run = _share_class(share), max(0, copy.agreed - copy.min_n)
-        hazards, out, s = self._hazards[k], [], 1.0
+        held, broke, prior = self.held[k], self.broke[k], self.prior
+        out, s, b = [], 1.0, _bucket(run)
         for a in range(run, run + len(copy.tokens)):
-            h = hazards.get(a)
-            if h is None:
-                h = hazards[a] = self._hazard(k, a)
-            s *= 1.0 - h
+            if b + 1 < len(RUN_BUCKETS) and a >= RUN_BUCKETS[b + 1]:
+                b += 1
+            s *= 1.0 - (broke[b] + prior / (a + 2)) / (held[b] + broke[b] + prior)
             out.append(s)
         return out
 
@@ -263,11 +266,6 @@ class CopyHazard:
                 held_k[b] += 1
             else:
                 broke_k[b] += 1
-        self._hazards[k] = {}
-
-    def _hazard(self, k: int, run: int) -> float:
-        b = _bucket(run)
-        return (self.broke[k][b] + self.prior / (run + 2)) / (self.held[k][b] + self.broke[k][b] + self.prior)
 
 
 def _bucket(run: int) -> int:

@@ -1,4 +1,6 @@
 """N-gram (prompt lookup) drafts: exact proposals on hand-built sequences."""
+import random
+
 import pytest
 
 from calid.decoding.ngram import Copy, CopyHazard, CopyShare, NgramConfig, NgramIndex
@@ -160,6 +162,26 @@ def test_copies_that_held_raise_the_price_of_the_next_and_broken_ones_lower_it()
     one = CopyHazard(decay=1.0)
     one.observe(Copy([0] * 8, agreed=2), 0.5, verified=8, held=3)
     assert sum(map(sum, one.held)) == 3 and sum(map(sum, one.broke)) == 1
+
+
+def test_a_copy_across_run_buckets_takes_each_runs_own_hazard():
+    """A long copy's runs cross several buckets: each token's hazard is its own run's bucket's counts beside
+    Laplace's prior at that run."""
+    hazard, rng = CopyHazard(), random.Random(3)
+    for _ in range(60):
+        run = rng.randrange(0, 200)
+        verified = rng.randrange(1, 33)
+        hazard.observe(Copy([0] * verified, agreed=2 + run), 0.9, verified=verified, held=rng.randrange(verified + 1))
+    buckets = (0, 1, 2, 3, 5, 8, 12, 17, 24, 33, 48, 64, 96, 128, 192, 256)  # RUN_BUCKETS, spelt out
+    for run in (0, 4, 30, 90, 250):
+        copy, k = Copy([0] * 32, agreed=2 + run), 4  # share 0.9: the last class
+        expected, s = [], 1.0
+        for a in range(run, run + 32):
+            b = max(i for i, edge in enumerate(buckets) if edge <= a)
+            held, broke = hazard.held[k][b], hazard.broke[k][b]
+            s *= 1 - (broke + hazard.prior / (a + 2)) / (held + broke + hazard.prior)
+            expected.append(s)
+        assert hazard.survival(copy, 0.9) == pytest.approx(expected)
 
 
 def test_what_a_hazard_learned_fades_when_the_traffic_changes():
