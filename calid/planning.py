@@ -255,8 +255,7 @@ class PlanInput:
 @functools.lru_cache(maxsize=4096)
 def _options(ngram: int, chain: int, tree: bool, lookahead: int) -> tuple[Choice, ...]:
     """ar, n-gram chains to ``ngram`` deep, draft chains (and trees) to ``chain`` deep, a Lookahead step of
-    ``lookahead`` nodes: built once per shape (a step asks for some twenty; built anew, they were a tenth of a
-    one-request plan)."""
+    ``lookahead`` nodes: built once per shape rather than every step (some twenty Choice objects a request)."""
     out = [AR] + [Choice("ngram", g) for g in _depths(ngram)]  # the proposal is capped already
     depths = _depths(chain)
     out += [Choice("speculative", g) for g in depths]
@@ -685,7 +684,7 @@ def _plan_alone(r: PlanInput, verify: CostTable, draft_step: CostTable) -> Group
     verification of its own tokens. The same plan and numbers as the general pricing (_Step), which a step at one
     request spent 0.16 ms of its 1.0 beside the forward on (Qwen 1.5B, HumanEval, 2-core CPU, in process)."""
     row, left = verify(1), float(NO_END if r.remaining is None else r.remaining)
-    best, terms = -1.0, (0.0, 0.0)
+    best, choice, terms = -1.0, AR, (0.0, 0.0)
     for c in r.options(draft_step.known):  # ar first: ties go to it and to shallower choices
         lanes = r.lanes(c)
         seconds = verify(r.verified(c)) + (r.setup(c) + c.gamma * draft_step(lanes) if lanes else 0.0)
