@@ -23,13 +23,26 @@ def _decoder(tokenizer) -> Callable[[list[int]], str]:
     is transformers' wrapper of a ``tokenizers`` one whose decode is exactly that library's, the library's own
     decode is called: the wrapper's conversions cost more than the decode (1 -> 3 us a call warm, Qwen's tokenizer,
     two calls a streamed token; TextStream.push between forwards went from 23 to 12 us a token)."""
+    if _library_decode(tokenizer):
+        return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _library_decode(tokenizer) -> bool:
     from transformers import PreTrainedTokenizerFast
 
     cls = type(tokenizer)
-    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerFast.decode
-            and cls._decode is PreTrainedTokenizerFast._decode):
-        return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
-    return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerFast.decode
+            and cls._decode is PreTrainedTokenizerFast._decode)
+
+
+def _joins(tokenizer) -> bool:
+    """Whether the text of ids ``a + b`` is the text of ``a`` and then that of ``b`` wherever ``a``'s bytes end on a
+    whole character: so with a byte-level decoder (each token's bytes, joined, read as UTF-8: GPT-2's, Qwen's,
+    SmolLM2's), not with SentencePiece's, which drops the space a decode starts with."""
+    from tokenizers import decoders
+
+    return _library_decode(tokenizer) and isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel)
 
 
 class TextStream:
@@ -41,8 +54,11 @@ class TextStream:
       at the first stop string, which is not part of the text.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), joins: bool | None = None):
         self._decode = _decoder(tokenizer)
+        # ``_joins``: a token's text is the text of the ids after those already shown, one decode of the new ids
+        # (otherwise the text the last shown ids had before and after them: two decodes, the older ids again)
+        self._joins = _joins(tokenizer) if joins is None else joins
         self.stop = tuple(s for s in stop if s)
         self._matcher = StopMatcher(self.stop) if self.stop else None
         self.ids: list[int] = []
@@ -57,28 +73,37 @@ class TextStream:
         if self.stopped:
             return ""
         self.ids.append(token_id)
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(self.ids)
-            self._check_stop(len(after) - len(before))
+        added = self._take()
+        if added:
+            self._check_stop(added)
         return self._release(final=False)
 
     def push_many(self, token_ids: list[int]) -> str:
         """``push`` of each token in turn, with the text it would have shown by the last one: with no stop strings
-        and the tokens ending on a whole character, decoded once (a verification keeps up to 32 tokens a step;
-        two decodes each were 0.01 ms a token). Otherwise token by token."""
+        and the tokens ending on a whole character, decoded at once (a verification keeps up to 32 tokens a step;
+        a decode a token was 0.01 ms a token). Otherwise token by token."""
         if len(token_ids) > 1 and self._matcher is None and not self.stopped:
             self.ids += token_ids
-            before = self._decode(self.ids[self._prefix: self._read])
-            after = self._decode(self.ids[self._prefix:])
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                self.text += after[len(before):]
-                self._prefix, self._read = self._read, len(self.ids)
+            if self._take():
                 return self._release(final=False)
             del self.ids[-len(token_ids):]  # a character left open: where each token's text ends matters
         return "".join(self.push(t) for t in token_ids)
+
+    def _take(self) -> int:
+        """Add the text of the ids not yet shown to ``text`` if they end on a whole character; its length."""
+        if self._joins:
+            new = self._decode(self.ids[self._read:])
+            if not new or new.endswith("\ufffd"):
+                return 0
+        else:
+            before = self._decode(self.ids[self._prefix: self._read])
+            after = self._decode(self.ids[self._prefix:])
+            if len(after) <= len(before) or after.endswith("\ufffd"):
+                return 0
+            new = after[len(before):]
+        self.text += new
+        self._prefix, self._read = self._read, len(self.ids)
+        return len(new)
 
     def finish(self) -> str:
         """Flush held-back text at the end of generation."""

@@ -44,3 +44,30 @@ def test_a_steps_tokens_pushed_at_once_show_the_text_token_by_token_pushes_show(
         assert shown_many + many.finish() == TEXT
     stopped = TextStream(tok, stop=("return",))  # with stop strings: token by token, cut where the stop starts
     assert stopped.push_many(ids) + stopped.finish() == TEXT[: TEXT.index("return")] and stopped.stopped
+
+
+def test_a_byte_level_stream_decodes_only_the_new_ids_and_shows_what_two_decodes_show(smol):
+    """A byte-level tokenizer's stream (calid.text._joins) decodes only the ids not yet shown; over random ids of the
+    whole vocabulary (bytes that end mid-character, lone continuation bytes, special tokens) cut into random steps,
+    it shows after every step what the stream decoding the shown ids again beside the new ones shows."""
+    import random
+
+    from calid.text import _joins
+
+    tok = smol.tokenizer
+    assert _joins(tok)
+    rng = random.Random(1)
+    ids = tok(TEXT, add_special_tokens=False).input_ids
+    for trial in range(60):
+        seq = ids if trial == 0 else [rng.randrange(len(tok)) for _ in range(rng.randint(1, 40))]
+        one, two, shown_one, shown_two, at = TextStream(tok), TextStream(tok, joins=False), "", "", 0
+        while at < len(seq):
+            step = seq[at: at + rng.randint(1, 6)]
+            at += len(step)
+            shown_one += one.push_many(step) if len(step) > 1 else one.push(step[0])
+            shown_two += two.push_many(step) if len(step) > 1 else two.push(step[0])
+            assert (shown_one, one.text) == (shown_two, two.text), seq
+        assert shown_one + one.finish() == shown_two + two.finish()
+        full = tok.decode(seq, skip_special_tokens=True)
+        if not full.endswith("\ufffd"):  # else the stream still holds the unfinished character
+            assert shown_one == full
