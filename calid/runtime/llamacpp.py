@@ -163,13 +163,14 @@ class _Seq:
 
 class LlamaCppRunner:
     """``slots`` sequences at most (requests, draft lanes and tree branches together), each up to
-    ``kv_budget_bytes / slots`` of KV cells; ``threads`` defaults to the CPUs this process may use."""
+    ``kv_budget_bytes / slots`` of KV cells; ``threads`` defaults to the CPUs this process may use; ``repack``:
+    llama.cpp's repacked weight layout (the default; faster steps), else the file's own."""
 
     backend = "llamacpp"
 
     def __init__(self, gguf: str | Path, kv_budget_bytes: int | None = None, threads: int | None = None,
                  slots: int = DEFAULT_SLOTS, n_batch: int = 2048, exact: bool = True,
-                 prompt_cache: bool | None = None, plain_prefill: bool = False):
+                 prompt_cache: bool | None = None, plain_prefill: bool = False, repack: bool = True):
         lib = self._lib = _lib()
         self._logits_at = _address_of_logits(lib)
         gguf = Path(gguf)
@@ -178,6 +179,7 @@ class LlamaCppRunner:
         lib.llama_backend_init()
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = repack  # False: the file's own layout (calid.runtime.plain_prefill)
         self._model = lib.llama_model_load_from_file(str(gguf).encode(), mparams)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {gguf.name}")

@@ -634,3 +634,21 @@ def test_padded_chains_run_as_one_ubatch_and_leave_only_their_own_cells(ll, prom
     assert runner.stats.padded_tokens - padded == 3
     assert rows == plain_rows and after == plain_after
     runner.close()
+
+
+def test_the_exact_modes_cut_is_within_the_calls_this_cpu_computes_as_one_token_steps(tmp_path, capsys):
+    """calid bench invariance --backend llamacpp on the test model: a call of up to EXACT_ROWS tokens gives every
+    row bit-identical to one-token steps on repacked weights (what exact mode relies on), and the report says so."""
+    import argparse
+    import json
+
+    from calid.bench.invariance import run_llamacpp
+    from calid.runtime.llamacpp import EXACT_ROWS
+
+    args = argparse.Namespace(model=TEST_MODEL, context=48, verify=4, out=str(tmp_path))
+    assert run_llamacpp(args) == 0
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]
+    assert [r["weights"] for r in rows] == ["repacked", "plain"]
+    assert rows[0]["exact_rows"] >= EXACT_ROWS and rows[0]["cut_holds"] is True
+    assert all(1 <= r["exact_rows"] <= 8 and r["step_ms"] > 0 for r in rows)
+    assert "exact_rows" in capsys.readouterr().out
