@@ -134,7 +134,9 @@ def run_llamacpp(args) -> int:
     from calid.errors import CalidError
     from calid.runtime.llamacpp import EXACT_ROWS, LlamaCppRunner
 
-    context = args.context or LLAMACPP_CONTEXT
+    context = LLAMACPP_CONTEXT if args.context is None else args.context
+    if context < 1 or args.verify < 1:
+        raise CalidError("--context and --verify >= 1")
     gguf = gguf_file(args.model, show_progress=True)
     if gguf is None:
         raise CalidError(f"--backend llamacpp: {args.model} has no GGUF (a preset or a .gguf path)")
@@ -169,7 +171,8 @@ def run_llamacpp(args) -> int:
 def run(args) -> int:
     if getattr(args, "backend", "torch") == "llamacpp":
         return run_llamacpp(args)
-    args.context = args.context or 256
+    if args.context is None:
+        args.context = 256
     from calid.backends import cpu_summary
     from calid.errors import CalidError
     from calid.models.loader import load_model
