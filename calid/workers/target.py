@@ -239,6 +239,9 @@ class TargetWorker:
     def _chunk_input(self, t: VerifyTask, n: int) -> SeqInput:
         """The next ``n`` uncached committed tokens of ``t``, no draft: a prefill chunk."""
         suffix = self.runner.sync(t.request_id, t.token_ids, keep_at_most=len(t.token_ids) - 1)
+        fit = getattr(self.runner, "chunk_length", None)  # where the runner needs chunks to end (exact mode)
+        if fit is not None:
+            n = fit(len(t.token_ids) - len(suffix), n, len(t.token_ids))
         return SeqInput(t.request_id, suffix[:n])
 
     def _chain_input(self, t: VerifyTask) -> SeqInput:

@@ -168,15 +168,58 @@ def test_rollback_and_borrowed_prefixes_give_the_same_logits(ll, prompts):
     assert len(feed) == 6
     again = r.forward([SeqInput("a", feed, logits_at=all_rows(6))])[0]
     assert torch.equal(again, want[-6:])
-    # a new sequence sharing a's prefix copies it instead of recomputing it
-    before = r.stats.recomputed_tokens
+    # a new sequence sharing a's prefix copies it instead of recomputing it: in exact mode the whole blocks of it
+    # that a's prefill computed (its rolled-back tail was fed again in small calls, as a prefill would not)
+    before, reused = r.stats.recomputed_tokens, r.stats.reused_tokens
     feed = r.sync("a2", a[:-3] + [42, 43])
-    assert len(feed) == 2 and r.stats.recomputed_tokens == before + 1  # only the diverging id after the copy
-    got = r.forward([SeqInput("a2", feed, logits_at=[0])])[0]
+    cut = (len(a) - 6) // BLOCK * BLOCK
+    assert cut >= BLOCK and r.stats.reused_tokens == reused + cut
+    assert feed == (a[:-3] + [42, 43])[cut:] and r.stats.recomputed_tokens == before + len(feed) - 1
+    got = r.forward([SeqInput("a2", feed, logits_at=[len(feed) - 2])])[0]
     fresh = r.forward([SeqInput("f", a[:-3] + [42], logits_at=[len(a) - 3])])[0]
     assert torch.equal(got, fresh)
     for s in ("a", "a2", "f"):
         r.release(s)
+
+
+def test_exact_mode_borrows_only_whole_blocks_a_prefill_computed(ll):
+    """Exact mode: a new sequence copies from a live one only whole blocks that the other computed in whole-block
+    calls (its own prefill computes each block in one call: a borrow ending mid-block, or over tokens the other
+    decoded one at a time, would leave rows a prefill computes differently)."""
+    r = ll.runner
+    ids = [(11 * j) % 900 + 7 for j in range(70)]
+    r.forward([SeqInput("prefilled", ids[:45] + [5] * 10)])  # 45 ids shared: one whole block, then small calls
+    reused = r.stats.reused_tokens
+    assert len(r.sync("b", ids)) == len(ids) - BLOCK and r.stats.reused_tokens == reused + BLOCK
+    for s in ("prefilled", "b"):
+        r.release(s)
+    r.forward([SeqInput("decoded", ids[:10])])
+    for t in ids[10:45]:  # the same 45 ids, most of them one forward each
+        r.forward([SeqInput("decoded", [t])])
+    assert len(r.sync("c", ids)) == len(ids)  # nothing whole-block to borrow
+    for s in ("decoded", "c"):
+        r.release(s)
+
+
+def test_exact_mode_ends_each_prefill_chunk_on_a_block_boundary(ll):
+    """SARATHI in exact mode: a prompt over the forward budget is prefilled in chunks that end on block boundaries
+    (each block one call, as when it is prefilled whole), and its first token is the unchunked prompt's."""
+    from calid.workers import TargetWorker
+    from calid.workers.messages import VerifyTask
+
+    ids = [(13 * j) % 800 + 9 for j in range(150)]
+    warp = SamplingParams(max_new_tokens=4).warp
+    whole = TargetWorker(ll.runner).verify([VerifyTask("whole", ids, len(ids), DecodeParams(mode="ar"), warp, 0, [])])
+    ll.runner.release("whole")  # (else the chunked prompt would borrow its blocks)
+    worker, ends = TargetWorker(ll.runner, max_forward_tokens=45), []
+    while True:
+        out = worker.verify([VerifyTask("chunked", ids, len(ids), DecodeParams(mode="ar"), warp, 0, [])])[0]
+        if out.tokens:
+            break
+        ends.append(ll.runner.cached_length("chunked"))
+    assert len(ends) >= 2 and all(e % BLOCK == 0 for e in ends), ends
+    assert out.tokens == whole[0].tokens
+    ll.runner.release("chunked")
 
 
 def test_tree_nodes_see_exactly_their_ancestors_and_compaction_keeps_the_branch(ll, prompts):

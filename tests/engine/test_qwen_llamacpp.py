@@ -53,3 +53,30 @@ def test_filter_extremes_on_the_qwen_pair(pair, ar):
         GenerationRequest(encode_prompt(target.tokenizer, p), SamplingParams(max_new_tokens=40)) for p in PROMPTS])]
     assert [r.output_ids for r in _run(pair, DecodeParams(mode="filter", threshold=0.0))] == want
     assert [r.output_ids for r in _run(pair, DecodeParams(mode="filter", threshold=1.0))] == ar
+
+
+def test_exact_mode_gives_a_prompts_rows_however_it_is_chunked_or_borrowed(pair):
+    """Qwen's Q4_K_M target in exact mode (its repacked matmuls give a row differently from four rows on): a
+    prompt's last row is the same prefilled whole, in the chunks the runner asks for (chunk_length), and after a
+    prefix borrowed from a live sequence. Before the runner aligned both, a chunk ending at 45 moved it by 0.37
+    and a 20-token borrow by 0.37."""
+    import torch
+
+    from calid.runtime.runner import SeqInput
+
+    r = pair[0].runner
+    assert r.exact
+    ids = [(11 * j) % 900 + 7 for j in range(70)]
+    whole = r.forward([SeqInput("whole", ids)])[0][-1]
+    r.release("whole")
+    first = r.chunk_length(0, 45, len(ids))
+    assert first == 32
+    r.forward([SeqInput("chunked", ids[:first])])
+    assert torch.equal(r.forward([SeqInput("chunked", ids[first:])])[0][-1], whole)
+    r.release("chunked")
+    for shared in (20, 45):
+        r.forward([SeqInput("donor", ids[:shared] + [5] * 10)])
+        got = r.forward([SeqInput("borrower", r.sync("borrower", ids))])[0][-1]
+        assert torch.equal(got, whole), shared
+        for s in ("donor", "borrower"):
+            r.release(s)
