@@ -447,7 +447,8 @@ class LlamaCppRunner:
                 for part, on_plain in (([i for i in call if i not in routed], False), (sorted(routed), True)):
                     if part:
                         got.update(self._run(entries, part, flagged, rows_read, inputs, plain if on_plain else None))
-                if self.exact and len(call) == BLOCK:  # a whole block (_calls): after a blocked prefix, blocked too
+                if self.exact and lo == 0 and len(call) == BLOCK:  # a whole block of a chain (_calls; not tree
+                    # nodes, phase B): after a blocked prefix, blocked too
                     _, position, slot = entries[call[0]]
                     s = own_slots.get(slot)
                     if s is not None and s.blocked == position:
