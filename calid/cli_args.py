@@ -37,6 +37,11 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
                         "that must equal the target's top-1 (tokens, not task quality); the threshold follows "
                         "from the pair's calibration (calid bench quality) and moves to hold it (implies --mode "
                         "filter)")
+    p.add_argument("--max-quality-loss", type=float, default=None,
+                   help="filter: a budget in the task's own metric instead of --threshold: the points of task quality "
+                        "(HumanEval pass@1 for the default pair) filter may lose against ar, in expectation over "
+                        "items like the pair's calibration (calid bench pareto), with 90%% confidence (implies "
+                        "--mode filter)")
     p.add_argument(
         "--rollback-nll", type=float, default=2.0, help="rollback: target NLL above which a draft token is undone"
     )
@@ -52,14 +57,27 @@ def decode_params(args):
     from calid.decoding.modes import DecodeParams
 
     budget = getattr(args, "min_agreement", None)
-    if budget is not None:
-        if args.threshold is not None:
-            raise CalidError("set --threshold or --min-agreement, not both (the budget chooses the threshold)")
+    loss = getattr(args, "max_quality_loss", None)
+    threshold = args.threshold
+    if budget is not None or loss is not None:
+        if (args.threshold is not None) + (budget is not None) + (loss is not None) > 1:
+            raise CalidError("set one of --threshold, --min-agreement and --max-quality-loss (a budget chooses the "
+                             "threshold)")
         if args.mode == "ar":  # the flag's default: the budget says filter
             args.mode = "filter"
-    return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=args.threshold, rollback_nll=args.rollback_nll,
-                        adaptive=args.adaptive, tree_width=args.tree_width,
-                        tree_chains=args.tree_chains, min_agreement=budget).validate()
+    if loss is not None:
+        from calid.decoding.quality_budget import resolve_threshold, table_for
+
+        if args.mode != "filter":
+            raise CalidError(f"--max-quality-loss is a budget for --mode filter, not {args.mode}")
+        try:
+            table = table_for(args.model, args.draft)
+        except ValueError as e:
+            raise CalidError(str(e)) from None
+        threshold = resolve_threshold(loss, *table)
+    return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
+                        adaptive=args.adaptive, tree_width=args.tree_width, tree_chains=args.tree_chains,
+                        min_agreement=budget, max_quality_loss=loss).validate()
 
 
 def sampling_params(args):

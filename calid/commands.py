@@ -63,6 +63,7 @@ def cmd_models_pull(args) -> int:
 
 def cmd_generate(args) -> int:
     from calid.backends import open_model, pick_backend
+    from calid.decoding.quality_budget import table_for
     from calid.generation import GenerationRequest
     from calid.text import encode_prompt
 
@@ -81,6 +82,9 @@ def cmd_generate(args) -> int:
         engine.orchestrator.agreement, source = starting_table(args.model, args.draft)
         print(f"[min_agreement {decode.min_agreement:g}: agreement table from "
               f"{source or 'no calibration (run calid bench quality): the draft assumed calibrated'}]", file=sys.stderr)
+    if decode.max_quality_loss is not None:
+        print(f"[max_quality_loss {decode.max_quality_loss:g} points: threshold {decode.threshold:g} from "
+              f"{table_for(args.model, args.draft)[1]}]", file=sys.stderr)
     request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params, decode=decode)
     for event in engine.stream([request]):
         sys.stdout.write(event.text)

@@ -15,3 +15,7 @@ class ModelSourceError(CalidError):
 
 class InvalidRequestError(CalidError, ValueError):
     """A generation request has a bad field; the message names the field."""
+
+
+class UncalibratedError(InvalidRequestError):
+    """A request asks for something the served pair has no calibration for (gRPC FAILED_PRECONDITION)."""

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from calid.decoding.quality_budget import LossPoint, QualityTable, paired_loss
+
 POINTS = 2.0  # the operating point: pass@1 within this many points of ar
 
 
@@ -85,11 +87,66 @@ def operating_point(rows: list[dict], c: int, task: str = "humaneval") -> dict |
     return max(ok, key=lambda r: r["filtered_fraction"], default=None)
 
 
+def filter_threshold_of(config: str) -> float | None:
+    m = re.fullmatch(r"filter t=([0-9.]+)", config)
+    return float(m.group(1)) if m else None
+
+
+def _paired(config: str, keys: list[str], ar: dict[str, dict], got: dict[str, dict]) -> LossPoint | None:
+    """filter (``config``) against ar on ``keys``, both having graded every one of them; None otherwise."""
+    if not keys or any(ar.get(k, {}).get("solved") is None or got.get(k, {}).get("solved") is None for k in keys):
+        return None
+    tokens = sum(got[k]["tokens"] for k in keys)
+    drafted = sum(got[k]["drafted"] for k in keys) / tokens if tokens else None
+    return paired_loss(filter_threshold_of(config), [ar[k]["solved"] for k in keys], [got[k]["solved"] for k in keys],
+                       drafted)
+
+
+def quality_table(answers: dict[tuple[str, int], dict], c: int, kinds: dict[str, str], held_out: set[str],
+                  source: str, task: str = "humaneval") -> QualityTable | None:
+    """filter's loss against ar per threshold at concurrency ``c`` on the calibration half of ``task`` (the items
+    not in ``held_out``), from the thresholds that answered all of it; None without any."""
+    keys = sorted(k for k in kinds if kinds[k] == task and k not in held_out)
+    ar = answers.get(("ar", c), {})
+    points = [p for (config, at), got in answers.items() if at == c and filter_threshold_of(config) is not None
+              for p in [_paired(config, keys, ar, got)] if p is not None]
+    if not points:
+        return None
+    return QualityTable(tuple(sorted(points, key=lambda p: -p.threshold)), f"{task} pass@1" if task == "humaneval"
+                        else task, source)
+
+
+def budget_rows(table: QualityTable, budgets: list[float], answers: dict[tuple[str, int], dict], c: int,
+                kinds: dict[str, str], held_out: set[str], task: str = "humaneval") -> list[dict]:
+    """Each loss budget's threshold as the calibration chose it, and the loss filter at that threshold showed on
+    the held-out half at the same concurrency (the items the choice never read)."""
+    keys = sorted(k for k in kinds if kinds[k] == task and k in held_out)
+    ar = answers.get(("ar", c), {})
+    rows = []
+    for b in budgets:
+        t = table.threshold_for(b)
+        chosen = next((p for p in table.points if p.threshold == t), None)
+        config = f"filter t={t:g}"
+        held = None if t == 1.0 else _paired(config, keys, ar, answers.get((config, c), {}))
+        rows.append({"budget_points": b, "c": c, "threshold": t,
+                     "calibration_loss": _pm(chosen) if chosen else "0 (the target for every token)",
+                     "held_out_loss": "0 (the target for every token)" if t == 1.0 else _pm(held) if held else "-",
+                     "held_out_filtered": held.filtered_fraction if held and held.filtered_fraction is not None
+                     else "-",
+                     "holds": "yes" if t == 1.0 or (held and held.loss_points <= b + 1e-9) else
+                     "no" if held else "not measured"})
+    return rows
+
+
+def _pm(p: LossPoint) -> str:
+    return f"{p.loss_points:+.1f} +- {p.se_points:.1f} points ({p.items} items)"
+
+
 def app_setting(config: str) -> str | None:
     """The app config line that serves ``config`` as filter's default (AppConfig.filter_threshold): for a filter
     threshold; None for the others, which a request sets for itself."""
-    m = re.fullmatch(r"filter t=([0-9.]+)", config)
-    return f"filter_threshold: {m.group(1)}" if m else None
+    t = filter_threshold_of(config)
+    return f"filter_threshold: {t:g}" if t is not None else None
 
 
 def plot(rows: list[dict], task: str, path: Path) -> Path:

@@ -59,7 +59,7 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   mode: str = "", threshold: float | None = None, gamma: int | None = None,
                   raw_prompt: bool = False, ignore_eos: bool = False, model: str = "", logprobs: int | None = None,
                   echo: bool = False, min_agreement: float | None = None, rollback_nll: float | None = None,
-                  json_schema: dict | str | None = None,
+                  max_quality_loss: float | None = None, json_schema: dict | str | None = None,
                   json_object: bool = False, regex: str | None = None, grammar: str | None = None,
                   tools: list[dict] | None = None, tool_choice: str = "") -> pb.GenerateRequest:
     """One request; at most one of ``json_schema`` (a dict or JSON text), ``json_object``, ``regex`` and ``grammar``
@@ -74,7 +74,8 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                          tool_calls=json.dumps(m["tool_calls"]) if m.get("tool_calls") else "")
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed), ("threshold", threshold), ("gamma", gamma),
-                        ("logprobs", logprobs), ("min_agreement", min_agreement), ("rollback_nll", rollback_nll)):
+                        ("logprobs", logprobs), ("min_agreement", min_agreement), ("rollback_nll", rollback_nll),
+                        ("max_quality_loss", max_quality_loss)):
         if value is not None:
             setattr(msg, name, value)
     given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", grammar)) if v is not None}
@@ -173,7 +174,7 @@ class AsyncClient:
             return False
         from calid.edge import EDGE_MODES
 
-        kw["mode"] = kw.get("mode") or "speculative"
+        kw["mode"] = kw.get("mode") or ("filter" if kw.get("max_quality_loss") is not None else "speculative")
         return kw["mode"] in EDGE_MODES
 
     @staticmethod

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from calid.decoding.confidence import Threshold
+from calid.decoding.quality_budget import check_budget
 from calid.errors import InvalidRequestError
 from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, FILTER_OPERATING_POINTS
 
@@ -47,6 +48,9 @@ class DecodeParams:
     min_agreement filter: a token-agreement budget instead of a threshold: the share of output tokens that must
                   equal the target's top-1 given the same prefix; the threshold is chosen, and moved
                   step by step, to hold it while drafting as much as possible (calid.decoding.budget)
+    max_quality_loss  filter: a budget in the task's own metric instead of a threshold: the points of task
+                  quality filter may lose against ar (calid.decoding.quality_budget); the edge that takes the
+                  request resolves it into ``threshold`` from the pair's quality table
     """
 
     mode: str = "speculative"
@@ -58,6 +62,7 @@ class DecodeParams:
     tree_chains: int = 1
     min_agreement: float | None = None
     filter_threshold: float = FILTER_THRESHOLD
+    max_quality_loss: float | None = None
 
     @property
     def top1(self) -> float:
@@ -86,6 +91,17 @@ class DecodeParams:
                 raise InvalidRequestError(f"min_agreement must be in (0, 1], got {self.min_agreement!r}")
             if self.mode != "filter":
                 raise InvalidRequestError(f"min_agreement is a budget for mode filter, not {self.mode!r}")
+        if self.max_quality_loss is not None:
+            try:
+                check_budget(self.max_quality_loss)
+            except ValueError as e:
+                raise InvalidRequestError(str(e)) from None
+            if self.mode != "filter" or self.min_agreement is not None:
+                raise InvalidRequestError(f"max_quality_loss is a budget for mode filter alone, not {self.mode!r}"
+                                          + (" with min_agreement" if self.min_agreement is not None else ""))
+            if self.threshold is None:
+                raise InvalidRequestError("max_quality_loss was not resolved into a threshold (the pair's quality "
+                                          "table: calid.decoding.quality_budget.resolve_threshold)")
         return self
 
     @property

@@ -81,3 +81,4 @@ TEST_MODEL = "smollm2-135m-instruct"
 # A pair not listed gets calid.decoding.modes.FILTER_THRESHOLD (the default pair's); calid bench pareto finds its
 # own (AppConfig.filter_threshold).
 FILTER_OPERATING_POINTS: dict[tuple[str, str], float] = {(DEFAULT_TARGET, DEFAULT_DRAFT): 0.97}
+

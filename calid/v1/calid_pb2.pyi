@@ -83,7 +83,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[str] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "raw_prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "mode", "threshold", "gamma", "model", "logprobs", "echo", "prompt_token_ids", "min_agreement", "grammar", "tools", "tool_choice", "parallel_tool_calls", "rollback_nll")
+    __slots__ = ("request_id", "prompt", "messages", "raw_prompt", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "mode", "threshold", "gamma", "model", "logprobs", "echo", "prompt_token_ids", "min_agreement", "grammar", "tools", "tool_choice", "parallel_tool_calls", "rollback_nll", "max_quality_loss")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_NLL_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUALITY_LOSS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -132,7 +133,8 @@ class GenerateRequest(_message.Message):
     tool_choice: str
     parallel_tool_calls: bool
     rollback_nll: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[str] = ..., threshold: _Optional[float] = ..., gamma: _Optional[int] = ..., model: _Optional[str] = ..., logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., min_agreement: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., rollback_nll: _Optional[float] = ...) -> None: ...
+    max_quality_loss: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., raw_prompt: _Optional[bool] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., mode: _Optional[str] = ..., threshold: _Optional[float] = ..., gamma: _Optional[int] = ..., model: _Optional[str] = ..., logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., min_agreement: _Optional[float] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., rollback_nll: _Optional[float] = ..., max_quality_loss: _Optional[float] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "lark")

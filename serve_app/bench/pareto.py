@@ -9,6 +9,10 @@ tests / exact match of the final number), served throughput and its ratio to ar 
 fraction (calid's per-answer stats), answers identical to ar's. min_agreement budgets answer the odd-numbered
 (held-out) items only: the agreement calibration (``calid bench quality``) reads the even-numbered ones.
 
+The pair's quality table (calid.decoding.quality_budget: filter's loss against ar per threshold on the
+even-numbered HumanEval problems) is written where serving reads it for ``max_quality_loss`` requests, and each
+--loss-budgets budget's threshold is checked on the odd-numbered problems, which the choice never read.
+
 Resumable: every answer is appended to answers.jsonl as it arrives, every finished segment (one configuration
 at one c, uninterrupted) to segments.jsonl; a rerun does only what is missing (``--fresh`` starts over). A
 stopped segment's answers count for quality, not for speed (calid.bench.pareto_report). Each segment prints its
@@ -38,6 +42,11 @@ def add_parser(sub) -> None:
                    help="filter's top-1 probabilities (the default pair's operating point first)")
     p.add_argument("--rollback-nlls", default="1,2,4", help="rollback's target-NLL bounds")
     p.add_argument("--budgets", default="0.95,0.98,0.99", help="min_agreement budgets (held-out half)")
+    p.add_argument("--loss-budgets", default="1,2,5", help="max_quality_loss budgets (points of HumanEval pass@1) "
+                   "to choose thresholds for on the calibration half and check on the held-out half")
+    p.add_argument("--quality-table", default=None, help="where to write the pair's quality table, which "
+                   "max_quality_loss requests are served by (default: where serving reads it, under "
+                   "CALID_HOME/calibration; 'none': do not write)")
     p.add_argument("--only", default=None, help="comma-separated configuration names (ar always runs)")
     p.add_argument("--max-new-tokens", type=int, default=320, help="HumanEval cap; math gets 160")
     p.add_argument("--port", type=int, default=8094, help="the app's HTTP port")
@@ -244,6 +253,7 @@ def _report(args, folder: Path, cfgs, sweep: list[int], work: list, results: Res
                             f"fraction {point['filtered_fraction']:.2f}"
                             + (f"; to make it filter's default for this pair, put `{setting}` in the app config "
                                f"(calid serve --config app.yaml)" if setting else ""))
+    notes += _quality_budgets(args, results, sweep, work)
     seconds = {(s.config, s.c): s.seconds for s in segments}
     notes.append("segment wall times (s): " + ", ".join(f"{n} c{c} {seconds[n, c]:.0f}" for c in sweep for n in names
                                                          if (n, c) in seconds))
@@ -254,6 +264,39 @@ def _report(args, folder: Path, cfgs, sweep: list[int], work: list, results: Res
     print(md.read_text())
     print(f"wrote {js}, {md} and {png}", file=sys.stderr)
     return 0
+
+
+def _quality_budgets(args, results: Results, sweep: list[int], work: list) -> list[str]:
+    """The quality table at the highest concurrency that has one (written where serving reads it), and each
+    --loss-budgets budget's threshold checked on the held-out half: report lines."""
+    from calid.bench.pareto_report import budget_rows, quality_table
+    from calid.bench.report import parse_numbers
+    from calid.decoding.quality_budget import CONFIDENCE, quality_path
+
+    kinds, held = {it.key: it.kind for it in work}, {it.key for it in work if it.held_out}
+    for c in reversed(sweep):
+        table = quality_table(results.answers, c, kinds, held, f"calid bench pareto at {c} concurrent requests, "
+                              f"{time.strftime('%Y-%m-%d')}")
+        if table is not None:
+            break
+    else:
+        return ["max_quality_loss: no filter threshold answered every calibration item (even-numbered HumanEval "
+                "problems) beside ar yet: no quality table"]
+    lines = [f"quality table at c={c} (HumanEval's even-numbered problems; loss = ar pass@1 - filter's, points): "
+             + ", ".join(f"t={p.threshold:g} {p.loss_points:+.1f} +- {p.se_points:.1f}" for p in table.points)]
+    for r in budget_rows(table, parse_numbers(args.loss_budgets), results.answers, c, kinds, held):
+        filtered = r["held_out_filtered"]
+        lines.append(f"max_quality_loss {r['budget_points']:g} (at {CONFIDENCE:.0%} confidence) -> threshold "
+                     f"{r['threshold']:g}: calibration loss {r['calibration_loss']}; held-out loss "
+                     f"{r['held_out_loss']}" + (f", filtered fraction {filtered:.2f}" if filtered != "-" else "")
+                     + f"; within budget on the held-out half: {r['holds']}")
+    if (args.quality_table or "").lower() != "none":
+        path = Path(args.quality_table) if args.quality_table else quality_path(results.meta["target"],
+                                                                               results.meta["draft"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table.to_json(), indent=1) + "\n")
+        lines.append(f"wrote the quality table max_quality_loss requests are served by to {path}")
+    return lines
 
 
 def _x(ratio) -> str:

@@ -19,6 +19,7 @@ from calid.decoding.modes import FILTER_THRESHOLD, MODES
 from calid.errors import CalidError
 from calid.models.draft_weights import CHOICES as DRAFT_WEIGHTS
 from calid.runtime.prefill_weights import CHOICES as PREFILL_WEIGHTS
+from calid.decoding.quality_budget import table_for
 from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET, FILTER_OPERATING_POINTS, TEST_MODEL
 from calid.models.self_draft import parse_self_draft
 
@@ -76,6 +77,7 @@ class ModelSpec(BaseModel):
     draft: str | None = None  # a model spec, "self:N", or None: target-only
     default_mode: str | None = None
     filter_threshold: float | None = Field(None, ge=0, le=1, description="as the app's, for this model's pair")
+    quality_table: str | None = Field(None, description="as the app's, for this model's pair")
     slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token SLO")
     slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token SLO")
     target_tp: int | None = Field(None, ge=1, le=64)
@@ -136,6 +138,10 @@ class AppConfig(BaseModel):
                                            "none (nor min_agreement). None: the pair's operating point where calid "
                                            "knows it (the default pair's keeps HumanEval pass@1 within 2 points of "
                                            f"ar), else {FILTER_THRESHOLD:g}; calid bench pareto measures a pair's")
+    quality_table: str | None = Field(None, description="the quality table (a file calid bench pareto wrote) "
+                                      "max_quality_loss requests of this pair are served by. None: the pair's "
+                                      "calibration under CALID_HOME/calibration if written, else its preset, else "
+                                      "such requests get FAILED_PRECONDITION")
     agreement_audit_every: int = Field(8, ge=0, description="filter requests without a token-agreement budget whose "
                                        "draft tokens the target compares with its own top-1 as it catches up (one in "
                                        "this many; 0: none): keeps the live agreement estimate "
@@ -273,6 +279,8 @@ class AppConfig(BaseModel):
                 parse_self_draft(self.draft)
             except CalidError as e:
                 raise ValueError(str(e)) from None
+        if self.quality_table is not None and self.draft is not None:  # unreadable: fails here, not in a replica
+            table_for(self.target, self.draft, self.quality_table)
         for m in self.models:  # each model's own config must hold (a bad one fails here, not in a replica)
             try:
                 self.for_model(m)

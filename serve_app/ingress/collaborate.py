@@ -41,7 +41,7 @@ async def collaborate(router, stream, grpc_context):
     if msg.HasField("min_agreement"):  # the client's draft applies the threshold; the target audits nothing
         raise refuse(grpc.StatusCode.INVALID_ARGUMENT, "min_agreement is served by Generate, not Collaborate "
                      "(an edge client drafts with a fixed threshold)")
-    msg.mode = msg.mode or "speculative"
+    msg.mode = msg.mode or ("filter" if msg.HasField("max_quality_loss") else "speculative")
     if msg.mode not in EDGE_MODES:
         raise refuse(grpc.StatusCode.INVALID_ARGUMENT,
                      f"Collaborate mode must be one of {', '.join(EDGE_MODES)}, got {msg.mode!r}")

@@ -36,7 +36,7 @@ MAX_N = 16  # choices per prompt (each is one request on the path; prompts x n a
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 STATUS = {  # gRPC status of the request path -> HTTP status
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNIMPLEMENTED: 501,
@@ -47,7 +47,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "service_unavailable", 504: "timeout"}
 PROTO_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}  # in the path's messages
 KNOWN_PARAMS = {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "mode",
-                "threshold", "min_agreement", "rollback_nll", "gamma", "logprobs", "model", "n"}
+                "threshold", "min_agreement", "max_quality_loss", "rollback_nll", "gamma", "logprobs", "model", "n"}
 
 
 class WireError(Exception):
@@ -156,7 +156,8 @@ def _common(body: dict, default_max_tokens: int | None) -> tuple[pb.GenerateRequ
     if max_tokens is not None:
         msg.max_new_tokens = max_tokens
     for name, kind, hi in (("temperature", "number", None), ("top_p", "number", None), ("threshold", "number", None),
-                           ("min_agreement", "number", None), ("rollback_nll", "number", None),
+                           ("min_agreement", "number", None), ("max_quality_loss", "number", None),
+                           ("rollback_nll", "number", None),
                            ("top_k", "int", U32), ("gamma", "int", U32), ("seed", "int", U64)):
         v = _field(body, name, kind, 0 if kind == "int" else None, hi)
         if v is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from calid import tool_calls
 from calid.decoding.grammar import Grammar
 from calid.decoding.modes import DecodeParams
+from calid.decoding.quality_budget import QualityTable, resolve_threshold
 from calid.errors import InvalidRequestError
 from calid.generation import GenerationRequest, GenerationResult, SamplingParams
 from calid.text import encode_prompt
@@ -100,11 +101,12 @@ def tools_of(msg: pb.GenerateRequest) -> list[dict] | None:
     return tool_calls.check_tools(tools)
 
 
-def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits: Limits = Limits()
-               ) -> GenerationRequest:
-    """A GenerationRequest from the wire; raises InvalidRequestError naming the bad field."""
+def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits: Limits = Limits(),
+               quality: tuple[QualityTable | None, str] | None = None) -> GenerationRequest:
+    """A GenerationRequest from the wire; raises InvalidRequestError naming the bad field. ``quality``: the served
+    pair's quality table and where it came from (max_quality_loss's threshold); None: the model has no draft."""
     check_limits(msg, limits)
-    for name in ("temperature", "top_p", "threshold", "min_agreement", "rollback_nll"):
+    for name in ("temperature", "top_p", "threshold", "min_agreement", "rollback_nll", "max_quality_loss"):
         if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
             raise InvalidRequestError(f"{name} must be a finite number, got {getattr(msg, name)!r}")
     if msg.HasField("max_new_tokens") and msg.max_new_tokens == 0 and not msg.echo:
@@ -121,18 +123,26 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         grammar=grammar_of(msg, tokenizer, tools),
     ).validate()
     budget = msg.min_agreement if msg.HasField("min_agreement") else None
-    if budget is not None and msg.HasField("threshold"):
-        raise InvalidRequestError("set threshold or min_agreement, not both (the budget chooses the threshold)")
-    mode = msg.mode or ("filter" if budget is not None else default.mode)
+    loss = msg.max_quality_loss if msg.HasField("max_quality_loss") else None
+    if (budget is not None) + (loss is not None) + msg.HasField("threshold") > 1:
+        raise InvalidRequestError("set one of threshold, min_agreement and max_quality_loss (a budget chooses the "
+                                  "threshold)")
+    mode = msg.mode or ("filter" if budget is not None or loss is not None else default.mode)
     if msg.HasField("rollback_nll") and mode != "rollback":
         raise InvalidRequestError(f"rollback_nll is a bound for mode rollback, not {mode!r}")
+    if loss is not None and mode != "filter":
+        raise InvalidRequestError(f"max_quality_loss is a budget for mode filter, not {mode!r}")
+    if loss is not None and quality is None:
+        raise InvalidRequestError("max_quality_loss is filter's budget and needs a draft model; this model has none")
     decode = DecodeParams(
         mode=mode,
         gamma=msg.gamma if msg.HasField("gamma") else default.gamma,
-        threshold=msg.threshold if msg.HasField("threshold") else default.threshold,
+        threshold=(msg.threshold if msg.HasField("threshold") else
+                   resolve_threshold(loss, *quality) if loss is not None else default.threshold),
         filter_threshold=default.filter_threshold,
         rollback_nll=msg.rollback_nll if msg.HasField("rollback_nll") else default.rollback_nll,
         min_agreement=budget,
+        max_quality_loss=loss,
     ).validate()
     ids = prompt_ids(msg, tokenizer, tools)
     if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:

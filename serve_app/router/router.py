@@ -31,9 +31,10 @@ from ray import serve
 from calid.hugepages import describe as pages
 from calid.admission import Backlog, budget_left
 from calid.decoding.budget import starting_table
+from calid.decoding.quality_budget import table_for
 from calid.decoding.modes import MODES
 from calid.edge import EdgeRound, round_draft
-from calid.errors import CalidError, InvalidRequestError
+from calid.errors import CalidError, InvalidRequestError, UncalibratedError
 from calid.generation import GenerationRequest, RequestState, StreamEvent
 from calid.models.config import ModelConfig
 from calid.models.loader import eos_token_ids, load_tokenizer
@@ -119,6 +120,8 @@ class Router(GrpcFront):
         self.orch.audit_every = self.cfg.agreement_audit_every
         try:
             self.orch.agreement, self.agreement_calibration = starting_table(self.cfg.target, self.cfg.draft)
+            self.quality = (table_for(self.cfg.target, self.cfg.draft, self.cfg.quality_table) if self.cfg.draft
+                            else None)  # max_quality_loss's table and where it came from
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self._id = uuid.uuid4().hex[:8]
@@ -262,7 +265,7 @@ class Router(GrpcFront):
             protocol.check_limits(request, self.cfg.limits)
             req = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizer_pool, protocol.to_request, request, self.tokenizer, self.orch.default_decode,
-                self.cfg.limits)
+                self.cfg.limits, self.quality)
             self._n += 1
             req.request_id = f"{self._id}-{self._n}"
             self.orch.validate(req, edge=edge)
@@ -273,6 +276,8 @@ class Router(GrpcFront):
             if req.params.grammar is not None and self.cfg.sharded:
                 raise InvalidRequestError("structured output and tool_choice required/named are not served by a "
                                           "sharded target (target_tp/target_pp > 1)")
+        except UncalibratedError as e:
+            raise self.refuse(mode, grpc.StatusCode.FAILED_PRECONDITION, str(e), frontend) from None
         except CalidError as e:
             raise self.refuse(mode, grpc.StatusCode.INVALID_ARGUMENT, str(e), frontend) from None
         if self._full(held):  # others were admitted while this one was tokenized

@@ -63,11 +63,22 @@ def http_port(serve_port):
     return HTTP["port"]
 
 
+# the session app's quality table (max_quality_loss): filter's loss in points per threshold, made up for the tests
+# (tests/serve/test_quality_budget.py reads the thresholds budgets resolve to off it)
+QUALITY_POINTS = ((0.9, 0.0, 0.5), (0.5, 3.0, 1.0), (0.2, 20.0, 2.0))
+
+
 @pytest.fixture(scope="session")
-def small_app(serve_port):
+def small_app(serve_port, tmp_path_factory):
+    import json
+
+    from calid.decoding.quality_budget import LossPoint, QualityTable
+
+    table = tmp_path_factory.mktemp("quality") / "quality.json"
+    table.write_text(json.dumps(QualityTable(tuple(LossPoint(*p, 40) for p in QUALITY_POINTS)).to_json()))
     # fp32: the draft's confidences then match the in-process engine's exactly (bf16 on torch may round
     # differently in another process), so filter-mode statistics compare exactly
-    return deploy(AppConfig.small(app_name="calid", grpc_port=serve_port, dtype="fp32"))
+    return deploy(AppConfig.small(app_name="calid", grpc_port=serve_port, dtype="fp32", quality_table=str(table)))
 
 
 @pytest.fixture(scope="session")

@@ -88,6 +88,8 @@ def test_invalid_requests_keep_their_status_through_the_front(mclient):
 
     with pytest.raises(InvalidArgument, match="needs a draft model"):
         mclient.generate("hi", model="plain", max_new_tokens=4, min_agreement=0.9)  # plain has no draft
+    with pytest.raises(InvalidArgument, match="needs a draft model"):
+        mclient.generate("hi", model="plain", max_new_tokens=4, max_quality_loss=2)
 
 
 def test_one_models_full_queue_refuses_only_its_own_requests(mclient, oai):

@@ -1,6 +1,7 @@
-"""min_agreement over real gRPC and HTTP on the session's app (SmolLM2 on llama.cpp, its first 16 layers as
-the draft): a budget holds on prompts the server has not seen, within a stated tolerance; bad budgets are
-refused with INVALID_ARGUMENT / 400."""
+"""min_agreement and max_quality_loss over real gRPC and HTTP on the session's app (SmolLM2 on llama.cpp, its first
+16 layers as the draft): a token budget holds on prompts the server has not seen, within a stated tolerance; a
+quality budget is served at the threshold the app's quality table gives it; bad budgets are refused with
+INVALID_ARGUMENT / 400."""
 from __future__ import annotations
 
 import grpc
@@ -76,7 +77,7 @@ def test_a_stricter_budget_drafts_less(client):
     (dict(min_agreement=1.5), "min_agreement must be in (0, 1]"),
     (dict(min_agreement=0.0), "min_agreement must be in (0, 1]"),
     (dict(min_agreement=float("nan")), "finite"),
-    (dict(min_agreement=0.9, threshold=0.5), "not both"),
+    (dict(min_agreement=0.9, threshold=0.5), "set one of threshold, min_agreement and max_quality_loss"),
     (dict(min_agreement=0.9, mode="speculative"), "mode filter"),
 ])
 def test_bad_budgets_are_invalid_argument(client, kw, message):
@@ -93,3 +94,42 @@ def test_the_budget_over_http(base_url):
     assert r.json()["calid"]["mode"] == "filter"
     r = httpx.post(f"{base_url}/chat/completions", json=body | {"min_agreement": 2}, timeout=300)
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_agreement"
+
+
+def test_a_quality_budget_is_served_at_the_threshold_its_table_vouches_for(client, base_url):
+    # the session app's table (conftest.QUALITY_POINTS): 0.9 at 0 +- 0.5 points, 0.5 at 3 +- 1, 0.2 at 20 +- 2;
+    # 5 points walks to 0.5 (3 + 1.28 x 1 <= 5) and stops at 0.2; 0.5 points vouches for none: the target only
+    prompt = HELD_OUT[0]
+    budget = client.generate(prompt, max_new_tokens=32, max_quality_loss=5)
+    explicit = client.generate(prompt, max_new_tokens=32, mode="filter", threshold=0.5)
+    assert budget.stats["mode"] == "filter"
+    assert budget.token_ids == explicit.token_ids and budget.stats["draft_tokens"] == explicit.stats["draft_tokens"]
+    loose = client.generate(prompt, max_new_tokens=32, max_quality_loss=30)  # every threshold passes: 0.2
+    strict = client.generate(prompt, max_new_tokens=32, max_quality_loss=0.5)
+    assert loose.token_ids == client.generate(prompt, max_new_tokens=32, mode="filter", threshold=0.2).token_ids
+    exact = client.generate(prompt, max_new_tokens=32, mode="filter", threshold=1.0)
+    assert strict.token_ids == exact.token_ids and strict.stats["draft_tokens"] == exact.stats["draft_tokens"]
+    assert strict.stats["draft_tokens"] < loose.stats["draft_tokens"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_quality_loss=101), r"points of task quality in \[0, 100\]"),
+    (dict(max_quality_loss=float("inf")), "finite"),
+    (dict(max_quality_loss=2, threshold=0.5), "set one of"),
+    (dict(max_quality_loss=2, min_agreement=0.9), "set one of"),
+    (dict(max_quality_loss=2, mode="lookahead"), "budget for mode filter"),
+])
+def test_bad_quality_budgets_are_invalid_argument(client, kw, message):
+    with pytest.raises(InvalidArgument, match=message) as e:
+        client.generate(HELD_OUT[0], max_new_tokens=4, **kw)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_quality_budget_over_http(base_url):
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": HELD_OUT[1]}],
+            "max_tokens": 24, "temperature": 0, "max_quality_loss": 5}
+    r = httpx.post(f"{base_url}/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["calid"]["mode"] == "filter"
+    r = httpx.post(f"{base_url}/chat/completions", json=body | {"max_quality_loss": -2}, timeout=300)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_quality_loss"

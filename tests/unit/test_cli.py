@@ -28,9 +28,11 @@ from serve_app.main import main
         (["bench", "pareto", "--only", "filter t=0.33"], "--only: unknown configuration"),
         (
             ["generate", "hi", "--min-agreement", "0.9", "--threshold", "0.5"],
-            "--threshold or --min-agreement, not both",
+            "set one of --threshold, --min-agreement and --max-quality-loss",
         ),
         (["generate", "hi", "--min-agreement", "1.5"], "min_agreement must be in (0, 1]"),
+        (["generate", "hi", "--max-quality-loss", "200"], "points of task quality in [0, 100]"),
+        (["generate", "hi", "--max-quality-loss", "2", "--mode", "tree"], "a budget for --mode filter, not tree"),
         (["generate", "hi", "--mode", "speculative", "--min-agreement", "0.9"], "a budget for mode filter"),
         (["bench", "quality", "--batch", "0"], "--batch and --max-new-tokens must be >= 1"),
         (["bench", "quality", "--only", "filter t=0.33"], "--only: unknown configuration"),

@@ -27,6 +27,8 @@ def test_chat_fields_translate_to_the_proto():
     assert [(m.role, m.content) for m in msg.messages] == [("user", "hi")]
     msg, _ = wire.chat_request({**CHAT, "mode": "rollback", "rollback_nll": 3})
     assert msg.mode == "rollback" and msg.rollback_nll == pytest.approx(3.0)
+    msg, _ = wire.chat_request({**CHAT, "max_quality_loss": 2})
+    assert msg.HasField("max_quality_loss") and msg.max_quality_loss == pytest.approx(2.0)
 
 
 def test_chat_defaults_and_precedence():

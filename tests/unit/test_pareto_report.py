@@ -96,3 +96,57 @@ def test_configurations_cover_every_family_and_refuse_unknown_names():
     args.only = "filter t=0.5"
     with pytest.raises(CalidError, match="unknown configuration"):
         configurations(args)
+
+
+def test_the_quality_table_is_read_off_the_calibration_half_and_each_budget_is_checked_on_the_held_out_half():
+    from calid.bench.pareto_report import budget_rows, quality_table
+
+    kinds = {f"humaneval/{i}": "humaneval" for i in range(8)} | {"math/0": "math"}
+    held = {f"humaneval/{i}" for i in range(1, 8, 2)}
+
+    def run(solved: list[int], drafted: int) -> dict:
+        return {f"humaneval/{i}": {"tokens": 10, "drafted": drafted, "text": "", "solved": bool(s)}
+                for i, s in enumerate(solved)}
+
+    got = {("ar", 8): run([1, 1, 1, 1, 1, 1, 0, 1], 0),
+           ("filter t=0.97", 8): run([1, 1, 1, 1, 1, 1, 0, 1], 5),  # no loss on either half
+           ("filter t=0.6", 8): run([0, 1, 0, 1, 0, 1, 0, 1], 9),  # 3 of 4 calibration items lost
+           ("filter t=0.9", 8): run([1, 0, 1, 0, 1, 1, 0, 1], 7),  # no calibration loss, 2 of 4 held-out lost
+           ("filter t=0.8", 4): run([1] * 8, 8)}  # another concurrency: not read for c = 8
+    table = quality_table(got, 8, kinds, held, "test")
+    assert [p.threshold for p in table.points] == [0.97, 0.9, 0.6]
+    assert [p.loss_points for p in table.points] == [0.0, 0.0, 75.0] and table.points[0].items == 4
+    assert table.points[1].filtered_fraction == pytest.approx(0.7)
+    rows = {r["budget_points"]: r for r in budget_rows(table, [60.0, 40.0, 1.0], got, 8, kinds, held)}
+    # 0.6's 75 +- 33 points is never vouched for, so both budgets stop at 0.9, whose held-out loss is 50 points
+    assert rows[60.0]["threshold"] == 0.9 and rows[60.0]["holds"] == "yes"
+    assert rows[40.0]["threshold"] == 0.9 and rows[40.0]["holds"] == "no"
+    assert rows[60.0]["held_out_loss"].startswith("+50.0") and rows[60.0]["held_out_filtered"] == pytest.approx(0.7)
+    assert rows[1.0]["threshold"] == 1.0 and rows[1.0]["holds"] == "yes"  # no threshold vouched for: the target
+    assert quality_table(got, 8, kinds, held | {"humaneval/0"}, "test").points[0].items == 3
+    assert quality_table({("ar", 8): got["ar", 8]}, 8, kinds, held, "test") is None
+
+
+def test_the_report_writes_the_quality_table_serving_reads_and_says_whether_each_budget_held(tmp_path):
+    import json
+    import types
+
+    from calid.bench.quality_curve import Item
+    from calid.decoding.quality_budget import QualityTable, table_for
+    from serve_app.bench.pareto import _quality_budgets
+
+    work = [Item("humaneval", f"humaneval/{i}", "p", 8, None, i % 2 == 1) for i in range(40)]
+    ar = {it.key: {"tokens": 10, "drafted": 0, "text": "", "solved": True} for it in work}
+    close = {k: v | {"drafted": 6} for k, v in ar.items()}  # filter t=0.99 solves what ar solves
+    results = types.SimpleNamespace(answers={("ar", 8): ar, ("filter t=0.99", 8): close},
+                                    meta={"target": "t", "draft": "d"})
+    path = tmp_path / "quality.json"
+    args = argparse.Namespace(loss_budgets="2,0.1", quality_table=str(path))
+    lines = _quality_budgets(args, results, [1, 8], work)
+    assert lines[0].startswith("quality table at c=8") and "t=0.99 +0.0 +- 5.0" in lines[0]  # 1 / 20 items
+    assert "max_quality_loss 2 (at 90% confidence) -> threshold 1:" in lines[1]  # 0 + 1.28 x 5 > 2: not vouched
+    table, source = table_for("t", "d", str(path))
+    assert source == str(path) and table == QualityTable.from_json(json.loads(path.read_text()))
+    assert table.threshold_for(10) == 0.99 and "at 8 concurrent requests" in table.source
+    assert _quality_budgets(args, types.SimpleNamespace(answers={("ar", 8): ar}, meta={}), [8], work)[0].startswith(
+        "max_quality_loss: no filter threshold")

@@ -48,6 +48,27 @@ def test_a_request_without_a_threshold_gets_its_modes_default():
             pytest.approx(0.3)
 
 
+def test_a_quality_budget_is_resolved_into_filters_threshold_from_the_pairs_table():
+    from calid.decoding.quality_budget import LossPoint, QualityTable
+    from calid.errors import UncalibratedError
+
+    table = (QualityTable((LossPoint(0.97, 0.0, 0.5, 82), LossPoint(0.8, 4.0, 1.0, 82))), "test table")
+    decode = protocol.to_request(build_request("hi", max_quality_loss=2), _Tok(), DEFAULT, quality=table).decode
+    assert (decode.mode, decode.threshold, decode.max_quality_loss) == ("filter", 0.97, 2.0)
+    assert protocol.to_request(build_request("hi", max_quality_loss=10), _Tok(), DEFAULT,
+                               quality=table).decode.threshold == 0.8
+    with pytest.raises(UncalibratedError, match="no calibration here"):
+        protocol.to_request(build_request("hi", max_quality_loss=2), _Tok(), DEFAULT, quality=(None, "no calibration "
+                                                                                                   "here"))
+    with pytest.raises(InvalidRequestError, match="needs a draft model"):
+        protocol.to_request(build_request("hi", max_quality_loss=2), _Tok(), DEFAULT, quality=None)
+    for kw, message in ((dict(threshold=0.5), "set one of"), (dict(min_agreement=0.9), "set one of"),
+                        (dict(mode="auto"), "budget for mode filter, not 'auto'"),
+                        (dict(max_quality_loss=float("nan")), "finite"), (dict(max_quality_loss=-1), r"\[0, 100\]")):
+        with pytest.raises(InvalidRequestError, match=message):
+            protocol.to_request(build_request("hi", **({"max_quality_loss": 2} | kw)), _Tok(), DEFAULT, quality=table)
+
+
 @pytest.mark.parametrize("kw, field", [
     ({"prompt": ""}, "prompt"),
     ({"temperature": -1.0}, "temperature"),
