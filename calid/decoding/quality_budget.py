@@ -28,6 +28,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
 from calid.paths import cache_dir
 
 CONFIDENCE = 0.9  # the chance that the walk picks no threshold whose expected loss exceeds the budget
@@ -103,8 +104,16 @@ class QualityTable:
 
 # filter's loss against ar per threshold, per pair: what max_quality_loss budgets are resolved by where no
 # calibration file was written. Measured by calid bench pareto on the calibration half of HumanEval (the 82
-# even-numbered problems), served.
-PRESETS: dict[tuple[str, str], QualityTable] = {}
+# even-numbered problems), served (docs/benchmark-log.md, 2026-12-07 evening). With it 2 and 5 points resolve to
+# 1.0 (82 problems cannot vouch for so little), 6 to 0.97 and 10 to 0.9; on the held-out half those lost 0.0 and
+# 1.2 points.
+PRESETS: dict[tuple[str, str], QualityTable] = {
+    (DEFAULT_TARGET, DEFAULT_DRAFT): QualityTable((
+        LossPoint(0.99, 2.439, 2.714, 82, 0.701),
+        LossPoint(0.97, 1.220, 2.984, 82, 0.750),
+        LossPoint(0.9, 4.878, 3.181, 82, 0.807),
+    ), "humaneval pass@1", "calid bench pareto at 8 concurrent requests, AMD EPYC Zen 4, 2026-12-07"),
+}
 
 
 def check_budget(budget) -> float:

@@ -96,3 +96,12 @@ def test_the_cli_resolves_the_budget_for_its_pair_and_refuses_conflicts(tmp_path
         decode_params(args(max_quality_loss=3.0, mode="speculative"))
     with pytest.raises(UncalibratedError, match="calid bench pareto"):
         decode_params(args(max_quality_loss=3.0, draft="other"))
+
+
+def test_the_default_pair_ships_a_table_whose_walk_stops_where_its_measurements_say(tmp_path, monkeypatch):
+    from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    monkeypatch.setenv("CALID_HOME", str(tmp_path))  # no calibration file: the preset
+    table, source = table_for(DEFAULT_TARGET, DEFAULT_DRAFT)
+    assert "preset" in source and table.task == "humaneval pass@1"
+    assert [table.threshold_for(b) for b in (2, 5, 6, 10)] == [1.0, 1.0, 0.97, 0.9]
