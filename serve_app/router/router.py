@@ -186,6 +186,7 @@ class Router(GrpcFront):
                 "agreement": {"audited_tokens": self.orch.audited[1], "agreed_tokens": self.orch.audited[0],
                               "draft_top1_match": self.orch.agreement.agreement_rate,
                               "calibration": str(self.agreement_calibration or "")},
+                "quality_table": self.quality[1] if self.quality else "",  # where max_quality_loss's table came from
                 "model": self.model_id, "slo": {"met": self._slo[True], "missed": self._slo[False]},
                 "admission": {"tokens_per_s": self._backlog.rate.per_s, "refused_late": self._refused_late}}
 

@@ -107,6 +107,7 @@ def test_a_quality_budget_is_served_at_the_threshold_its_table_vouches_for(clien
     loose = client.generate(prompt, max_new_tokens=32, max_quality_loss=30)  # every threshold passes: 0.2
     strict = client.generate(prompt, max_new_tokens=32, max_quality_loss=0.5)
     assert loose.token_ids == client.generate(prompt, max_new_tokens=32, mode="filter", threshold=0.2).token_ids
+    assert handle("calid", "router").stats.remote().result()["quality_table"].endswith("quality.json")
     exact = client.generate(prompt, max_new_tokens=32, mode="filter", threshold=1.0)
     assert strict.token_ids == exact.token_ids and strict.stats["draft_tokens"] == exact.stats["draft_tokens"]
     assert strict.stats["draft_tokens"] < loose.stats["draft_tokens"]
