@@ -161,5 +161,5 @@ def resolve_threshold(budget, table: QualityTable | None, source: str) -> float:
     except ValueError as e:
         raise InvalidRequestError(str(e)) from None
     if table is None:
-        raise UncalibratedError(f"max_quality_loss needs the served pair's quality table: {source}")
+        raise UncalibratedError(f"max_quality_loss needs the pair's quality table: {source}")
     return table.threshold_for(budget)
