@@ -27,3 +27,9 @@ def cache_dir(*parts: str) -> Path:
     path = calid_home().joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def pair_calibration(kind: str, target: str, draft: str) -> Path:
+    """A target/draft pair's calibration file of ``kind`` (agreement, quality) under ``$CALID_HOME/calibration``."""
+    safe = "--".join(name.replace("/", "_").replace(":", "_") for name in (target, draft))
+    return cache_dir("calibration") / f"{kind}--{safe}.json"

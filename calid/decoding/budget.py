@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from calid.paths import cache_dir
+from calid.paths import pair_calibration
 
 BINS = 20  # bin b holds top-1 probabilities in [b / BINS, (b + 1) / BINS); a threshold is a bin edge
 PRIOR_WEIGHT = 4.0  # pseudo-positions per bin the starting table weighs (a calibration file: scaled to this)
@@ -117,8 +117,7 @@ class AgreementTable:
 
 def calibration_path(target: str, draft: str) -> Path:
     """Where ``calid bench quality`` writes, and serving reads, a target/draft pair's agreement calibration."""
-    safe = "--".join(name.replace("/", "_").replace(":", "_") for name in (target, draft))
-    return cache_dir("calibration") / f"agreement--{safe}.json"
+    return pair_calibration("agreement", target, draft)
 
 
 def starting_table(target: str, draft: str | None) -> tuple[AgreementTable, Path | None]:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from calid.models.presets import DEFAULT_DRAFT, DEFAULT_TARGET
-from calid.paths import cache_dir
+from calid.paths import pair_calibration
 
 CONFIDENCE = 0.9  # the chance that the walk picks no threshold whose expected loss exceeds the budget
 Z = 1.2815515655446004  # the one-sided normal quantile of CONFIDENCE
@@ -126,8 +126,7 @@ def check_budget(budget) -> float:
 
 def quality_path(target: str, draft: str) -> Path:
     """Where ``calid bench pareto`` writes, and serving reads, a target/draft pair's quality table."""
-    safe = "--".join(name.replace("/", "_").replace(":", "_") for name in (target, draft))
-    return cache_dir("calibration") / f"quality--{safe}.json"
+    return pair_calibration("quality", target, draft)
 
 
 def table_for(target: str, draft: str | None, given: str | None = None) -> tuple[QualityTable | None, str]:
