@@ -36,13 +36,14 @@ def write_report(out_dir: Path, name: str, title: str, meta: dict, rows: list[di
     return js, md
 
 
-def resume_meta(meta_path: Path, meta: dict, resuming: bool) -> None:
+def resume_meta(meta_path: Path, meta: dict, resuming: bool, before: dict | None = None) -> None:
     """A resumable benchmark's settings: when ``resuming`` (results exist), those at ``meta_path`` must equal
-    ``meta`` (else a CalidError names what changed); then ``meta`` is written there."""
+    ``meta`` (else a CalidError names what changed); then ``meta`` is written there. ``before``: what results
+    stored before a setting was recorded ran with (their meta lacks its key)."""
     from calid.errors import CalidError
 
     if resuming and meta_path.exists():
-        old = json.loads(meta_path.read_text())
+        old = {**(before or {}), **json.loads(meta_path.read_text())}
         changed = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
         if changed:
             raise CalidError(f"{meta_path.parent} holds results run with other settings {changed}; rerun with "

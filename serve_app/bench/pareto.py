@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from serve_app.cluster.config import add_topology_arg
+
 DRAFT_ALONE = "draft-alone"  # the served name of the draft model in the bench's app
 
 
@@ -50,6 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--only", default=None, help="comma-separated configuration names (ar always runs)")
     p.add_argument("--max-new-tokens", type=int, default=320, help="HumanEval cap; math gets 160")
     p.add_argument("--port", type=int, default=8094, help="the app's HTTP port")
+    add_topology_arg(p)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--fresh", action="store_true", help="discard earlier answers of this pair")
     p.add_argument("--report-only", action="store_true", help="run nothing: report what earlier runs stored")
@@ -89,7 +92,8 @@ class Results:
         if fresh:
             self.answers_path.unlink(missing_ok=True)
             self.segments_path.unlink(missing_ok=True)
-        resume_meta(meta_path, meta, self.answers_path.exists())
+        # results stored before the bench recorded its topology ran on split (AppConfig's default)
+        resume_meta(meta_path, meta, self.answers_path.exists(), before={"topology": "split"})
         self.meta = meta
         self.answers: dict[tuple[str, int], dict[str, dict]] = {}
         for row in _lines(self.answers_path):
@@ -123,32 +127,39 @@ def run(args) -> int:
     from calid.bench.report import parse_numbers
     from calid.errors import CalidError
     from serve_app.bench.peers import _free_port
-    from serve_app.cluster.config import AppConfig, ModelSpec
 
     sweep = sorted(set(parse_numbers(args.concurrency, int)))
     if not sweep or min(sweep) < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 0):
         raise CalidError("--concurrency takes counts >= 1, --max-new-tokens >= 1, --limit >= 0")
     cfgs = configurations(args)
     work = items(args.limit, args.math, 0, args.max_new_tokens)
-    base = AppConfig.small() if args.small else AppConfig()
-    models = [] if args.small else [ModelSpec(name=_served(base), target=base.target, draft=base.draft),
-                                    ModelSpec(name=DRAFT_ALONE, target=base.draft, draft=None, default_mode="ar")]
-    cfg = base.model_copy(update={"http_port": args.port, "grpc_port": _free_port(), "models": models,
-                                  "max_active": max(16, max(sweep))})
+    cfg = app_config(args, max(sweep), _free_port())
     folder = Path(args.out) / f"pareto-{'small' if args.small else 'qwen'}"
     results = Results(folder, {"target": cfg.target, "draft": cfg.draft, "max_new_tokens": args.max_new_tokens,
-                               "sampling": "greedy", "chat": True}, args.fresh)
+                               "sampling": "greedy", "chat": True, "topology": cfg.topology}, args.fresh)
     todo = {(name, c): [it for it in work if it.key not in results.answers.get((name, c), {})
                         and ("min_agreement" not in body or it.held_out)]
             for c in sweep for name, body in cfgs}
     pending = {k: v for k, v in todo.items() if v} if not args.report_only else {}
     print(f"bench pareto: target {cfg.target}, draft {cfg.draft}; {sum(it.kind == 'humaneval' for it in work)} "
           f"HumanEval + {sum(it.kind == 'math' for it in work)} ASDiv items; {len(cfgs)} configurations at "
-          f"concurrency {sweep}; greedy, chat template, to EOS; {cpu_summary()}; results in {folder} (resumable: "
-          f"{len(pending)} of {len(todo)} segments to run)", file=sys.stderr)
+          f"concurrency {sweep}; greedy, chat template, to EOS; topology {cfg.topology}; {cpu_summary()}; results in "
+          f"{folder} (resumable: {len(pending)} of {len(todo)} segments to run)", file=sys.stderr)
     if pending:
         _serve_all(cfg, args, cfgs, sweep, pending, results)
     return _report(args, folder, cfgs, sweep, work, results)
+
+
+def app_config(args, most: int, grpc_port: int):
+    """The bench's app: the pair (and, as a second model, the draft alone) in ``args.topology``, as ``calid serve``
+    would run it, taking ``most`` requests at once."""
+    from serve_app.cluster.config import AppConfig, ModelSpec
+
+    base = AppConfig.small() if args.small else AppConfig()
+    models = [] if args.small else [ModelSpec(name=_served(base), target=base.target, draft=base.draft),
+                                    ModelSpec(name=DRAFT_ALONE, target=base.draft, draft=None, default_mode="ar")]
+    return base.model_copy(update={"http_port": args.port, "grpc_port": grpc_port, "models": models,
+                                   "max_active": max(16, most), "topology": args.topology})
 
 
 def _serve_all(cfg, args, cfgs, sweep: list[int], pending: dict, results: Results) -> None:

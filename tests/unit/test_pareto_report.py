@@ -150,3 +150,26 @@ def test_the_report_writes_the_quality_table_serving_reads_and_says_whether_each
     assert table.threshold_for(10) == 0.99 and "at 8 concurrent requests" in table.source
     assert _quality_budgets(args, types.SimpleNamespace(answers={("ar", 8): ar}, meta={}), [8], work)[0].startswith(
         "max_quality_loss: no filter threshold")
+
+
+def test_the_app_runs_the_topology_calid_serve_runs_and_results_of_another_topology_are_not_resumed(tmp_path):
+    import json
+
+    from serve_app.bench.pareto import DRAFT_ALONE, Results, app_config
+    from serve_app.main import build_parser
+
+    args = build_parser().parse_args(["bench", "pareto", "--port", "8123"])
+    cfg = app_config(args, 8, 50123)
+    assert args.topology == "engine" and cfg.topology == "engine" and cfg.max_active == 16
+    assert {m.topology for m in cfg.model_configs.values()} == {"engine"}
+    assert cfg.model_configs[DRAFT_ALONE].draft is None and cfg.model_configs[DRAFT_ALONE].target == cfg.draft
+    assert app_config(build_parser().parse_args(["bench", "pareto", "--topology", "split"]), 4, 1).topology == "split"
+
+    folder = tmp_path / "pareto-qwen"  # results stored before the bench recorded its topology ran on split
+    folder.mkdir()
+    (folder / "answers.jsonl").write_text(json.dumps({"config": "ar", "c": 8, "key": "humaneval/0"}) + "\n")
+    (folder / "meta.json").write_text(json.dumps({"target": "t", "draft": "d"}))
+    with pytest.raises(CalidError, match="topology"):
+        Results(folder, {"target": "t", "draft": "d", "topology": "engine"}, fresh=False)
+    held = Results(folder, {"target": "t", "draft": "d", "topology": "split"}, fresh=False)
+    assert list(held.answers) == [("ar", 8)] and json.loads((folder / "meta.json").read_text())["topology"] == "split"
