@@ -65,8 +65,9 @@ def decode_params(args):
                              "threshold)")
         if args.mode == "ar":  # the flag's default: the budget says filter
             args.mode = "filter"
+    mode = args.mode
     if loss is not None:
-        from calid.decoding.quality_budget import resolve_threshold, table_for
+        from calid.decoding.quality_budget import budget_mode, resolve_threshold, table_for
 
         if args.mode != "filter":
             raise CalidError(f"--max-quality-loss is a budget for --mode filter, not {args.mode}")
@@ -75,7 +76,8 @@ def decode_params(args):
         except ValueError as e:
             raise CalidError(str(e)) from None
         threshold = resolve_threshold(loss, *table)
-    return DecodeParams(mode=args.mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
+        mode = budget_mode(threshold)
+    return DecodeParams(mode=mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
                         adaptive=args.adaptive, tree_width=args.tree_width, tree_chains=args.tree_chains,
                         min_agreement=budget, max_quality_loss=loss).validate()
 

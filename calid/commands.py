@@ -83,7 +83,9 @@ def cmd_generate(args) -> int:
         print(f"[min_agreement {decode.min_agreement:g}: agreement table from "
               f"{source or 'no calibration (run calid bench quality): the draft assumed calibrated'}]", file=sys.stderr)
     if decode.max_quality_loss is not None:
-        print(f"[max_quality_loss {decode.max_quality_loss:g} points: threshold {decode.threshold:g} from "
+        chosen = (f"threshold {decode.threshold:g}" if decode.mode == "filter" else
+                  "no threshold vouched for, so mode auto (the target's own tokens)")
+        print(f"[max_quality_loss {decode.max_quality_loss:g} points: {chosen}, from "
               f"{table_for(args.model, args.draft)[1]}]", file=sys.stderr)
     request = GenerationRequest(encode_prompt(lm.tokenizer, args.prompt, chat=not args.raw), params, decode=decode)
     for event in engine.stream([request]):

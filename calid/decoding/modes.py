@@ -50,7 +50,8 @@ class DecodeParams:
                   step by step, to hold it while drafting as much as possible (calid.decoding.budget)
     max_quality_loss  filter: a budget in the task's own metric instead of a threshold: the points of task
                   quality filter may lose against ar (calid.decoding.quality_budget); the edge that takes the
-                  request resolves it into ``threshold`` from the pair's quality table
+                  request resolves it into ``threshold`` from the pair's quality table; where the table
+                  vouches for no threshold (1.0) the request runs as auto, lossless (quality_budget.budget_mode)
     """
 
     mode: str = "speculative"
@@ -96,7 +97,8 @@ class DecodeParams:
                 check_budget(self.max_quality_loss)
             except ValueError as e:
                 raise InvalidRequestError(str(e)) from None
-            if self.mode != "filter" or self.min_agreement is not None:
+            lossless = self.mode == "auto" and self.threshold == 1.0  # no threshold vouched for (budget_mode)
+            if not (self.mode == "filter" or lossless) or self.min_agreement is not None:
                 raise InvalidRequestError(f"max_quality_loss is a budget for mode filter alone, not {self.mode!r}"
                                           + (" with min_agreement" if self.min_agreement is not None else ""))
             if self.threshold is None:

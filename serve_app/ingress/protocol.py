@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from calid import tool_calls
 from calid.decoding.grammar import Grammar
 from calid.decoding.modes import DecodeParams
-from calid.decoding.quality_budget import QualityTable, resolve_threshold
+from calid.decoding.quality_budget import QualityTable, budget_mode, resolve_threshold
 from calid.errors import InvalidRequestError
 from calid.generation import GenerationRequest, GenerationResult, SamplingParams
 from calid.text import encode_prompt
@@ -102,9 +102,10 @@ def tools_of(msg: pb.GenerateRequest) -> list[dict] | None:
 
 
 def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits: Limits = Limits(),
-               quality: tuple[QualityTable | None, str] | None = None) -> GenerationRequest:
+               quality: tuple[QualityTable | None, str] | None = None, edge: bool = False) -> GenerationRequest:
     """A GenerationRequest from the wire; raises InvalidRequestError naming the bad field. ``quality``: the served
-    pair's quality table and where it came from (max_quality_loss's threshold); None: the model has no draft."""
+    pair's quality table and where it came from (max_quality_loss's threshold); None: the model has no draft.
+    ``edge``: an edge client's Collaborate stream (a budget stays filter's, whatever its threshold)."""
     check_limits(msg, limits)
     for name in ("temperature", "top_p", "threshold", "min_agreement", "rollback_nll", "max_quality_loss"):
         if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
@@ -134,11 +135,14 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         raise InvalidRequestError(f"max_quality_loss is a budget for mode filter, not {mode!r}")
     if loss is not None and quality is None:
         raise InvalidRequestError("max_quality_loss is filter's budget and needs a draft model; this model has none")
+    threshold = (msg.threshold if msg.HasField("threshold") else
+                 resolve_threshold(loss, *quality) if loss is not None else default.threshold)
+    if loss is not None and not edge:
+        mode = budget_mode(threshold)
     decode = DecodeParams(
         mode=mode,
         gamma=msg.gamma if msg.HasField("gamma") else default.gamma,
-        threshold=(msg.threshold if msg.HasField("threshold") else
-                   resolve_threshold(loss, *quality) if loss is not None else default.threshold),
+        threshold=threshold,
         filter_threshold=default.filter_threshold,
         rollback_nll=msg.rollback_nll if msg.HasField("rollback_nll") else default.rollback_nll,
         min_agreement=budget,

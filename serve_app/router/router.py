@@ -266,7 +266,7 @@ class Router(GrpcFront):
             protocol.check_limits(request, self.cfg.limits)
             req = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizer_pool, protocol.to_request, request, self.tokenizer, self.orch.default_decode,
-                self.cfg.limits, self.quality)
+                self.cfg.limits, self.quality, edge)
             self._n += 1
             req.request_id = f"{self._id}-{self._n}"
             self.orch.validate(req, edge=edge)

@@ -56,8 +56,8 @@ def test_edge_speculative_is_the_targets_output_and_filter_spans_draft_to_target
     assert zero.token_ids != ar.token_ids  # the draft alone writes something else
     one = edge.generate(PROMPT, mode="filter", threshold=1.0, max_new_tokens=N, ignore_eos=True)
     assert one.token_ids == ar.token_ids and one.stats["draft_tokens"] == 0
-    # a quality budget the app's table vouches for no threshold at (conftest.QUALITY_POINTS): filter at 1.0, at the
-    # edge as in the cluster
+    # a quality budget the app's table vouches for no threshold at (conftest.QUALITY_POINTS): at the edge, filter at
+    # 1.0 (the client drafts; in the cluster the same budget runs as auto, tests/serve/test_quality_budget.py)
     budget = edge.generate(PROMPT, max_quality_loss=0.5, max_new_tokens=N, ignore_eos=True)
     assert budget.token_ids == ar.token_ids and budget.stats["mode"] == "filter" and budget.stats["draft_tokens"] == 0
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from calid.decoding.modes import DecodeParams
-from calid.decoding.quality_budget import (LossPoint, QualityTable, check_budget, paired_loss, quality_path,
-                                           resolve_threshold, table_for)
+from calid.decoding.quality_budget import (LossPoint, QualityTable, budget_mode, check_budget, paired_loss,
+                                           quality_path, resolve_threshold, table_for)
 from calid.errors import CalidError, InvalidRequestError, UncalibratedError
 
 
@@ -57,6 +57,10 @@ def test_budgets_out_of_range_or_unresolvable_are_refused_with_what_is_accepted(
     with pytest.raises(InvalidRequestError, match="mode filter alone"):
         DecodeParams(mode="filter", threshold=0.9, min_agreement=0.9, max_quality_loss=2).validate()
     DecodeParams(mode="filter", threshold=0.9, max_quality_loss=2).validate()
+    DecodeParams(mode="auto", threshold=1.0, max_quality_loss=2).validate()  # no threshold vouched for
+    with pytest.raises(InvalidRequestError, match="mode filter alone, not 'auto'"):  # auto takes no threshold
+        DecodeParams(mode="auto", threshold=0.9, max_quality_loss=2).validate()
+    assert (budget_mode(0.97), budget_mode(1.0)) == ("filter", "auto")
 
 
 def test_a_pairs_table_comes_from_its_file_then_its_preset_and_an_unreadable_file_says_so(tmp_path, monkeypatch):
@@ -90,6 +94,8 @@ def test_the_cli_resolves_the_budget_for_its_pair_and_refuses_conflicts(tmp_path
 
     d = decode_params(args(max_quality_loss=3.0))
     assert (d.mode, d.threshold, d.max_quality_loss) == ("filter", 0.9, 3.0)
+    d = decode_params(args(max_quality_loss=0.1))  # no threshold vouched for: the target's tokens, by auto
+    assert (d.mode, d.threshold, d.uses_draft) == ("auto", 1.0, False)
     with pytest.raises(CalidError, match="set one of"):
         decode_params(args(max_quality_loss=3.0, threshold=0.5))
     with pytest.raises(CalidError, match="for --mode filter"):

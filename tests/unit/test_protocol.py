@@ -57,6 +57,12 @@ def test_a_quality_budget_is_resolved_into_filters_threshold_from_the_pairs_tabl
     assert (decode.mode, decode.threshold, decode.max_quality_loss) == ("filter", 0.97, 2.0)
     assert protocol.to_request(build_request("hi", max_quality_loss=10), _Tok(), DEFAULT,
                                quality=table).decode.threshold == 0.8
+    # a budget the table vouches for no threshold at is served lossless by auto, not by filter at 1.0 (the draft's
+    # cost for the target's tokens); an edge client's stream keeps filter (its draft runs on the client)
+    strict = protocol.to_request(build_request("hi", max_quality_loss=0.5), _Tok(), DEFAULT, quality=table).decode
+    assert (strict.mode, strict.threshold, strict.max_quality_loss, strict.uses_draft) == ("auto", 1.0, 0.5, False)
+    edge = protocol.to_request(build_request("hi", max_quality_loss=0.5), _Tok(), DEFAULT, quality=table, edge=True)
+    assert (edge.decode.mode, edge.decode.threshold) == ("filter", 1.0)
     with pytest.raises(UncalibratedError, match="no calibration here"):
         protocol.to_request(build_request("hi", max_quality_loss=2), _Tok(), DEFAULT, quality=(None, "no calibration "
                                                                                                    "here"))
