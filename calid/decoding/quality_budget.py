@@ -120,9 +120,9 @@ def budget_mode(threshold: float) -> str:
     """The mode a max_quality_loss budget resolved to ``threshold`` is served in: filter at that threshold, or
     auto where the table vouched for no threshold (1.0). Filter at 1.0 would have the draft propose every token
     and the target decide it: the target's own tokens with the draft's forwards on top (filter at 0.97 already
-    read 0.87x ar at one request on a 2-core CPU, 2026-12-07 night); auto gives the target's tokens too (lossless)
-    and drafts only where its planner finds it pays. An edge client's Collaborate stream keeps filter at 1.0: its
-    draft runs on the client."""
+    read 0.88x ar at one request on a 2-core CPU: docs/benchmark-log.md, 2026-12-07 night); auto gives the
+    target's tokens too (lossless) and drafts only where its planner finds it pays. An edge client's Collaborate
+    stream keeps filter at 1.0: its draft runs on the client."""
     return "filter" if threshold < 1.0 else "auto"
 
 
