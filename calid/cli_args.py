@@ -67,7 +67,7 @@ def decode_params(args):
             args.mode = "filter"
     mode = args.mode
     if loss is not None:
-        from calid.decoding.quality_budget import budget_mode, resolve_threshold, table_for
+        from calid.decoding.quality_budget import budget_decoding, table_for
 
         if args.mode != "filter":
             raise CalidError(f"--max-quality-loss is a budget for --mode filter, not {args.mode}")
@@ -75,8 +75,7 @@ def decode_params(args):
             table = table_for(args.model, args.draft)
         except ValueError as e:
             raise CalidError(str(e)) from None
-        threshold = resolve_threshold(loss, *table)
-        mode = budget_mode(threshold)
+        mode, threshold = budget_decoding(loss, *table)
     return DecodeParams(mode=mode, gamma=args.gamma, threshold=threshold, rollback_nll=args.rollback_nll,
                         adaptive=args.adaptive, tree_width=args.tree_width, tree_chains=args.tree_chains,
                         min_agreement=budget, max_quality_loss=loss).validate()

@@ -172,3 +172,10 @@ def resolve_threshold(budget, table: QualityTable | None, source: str) -> float:
     if table is None:
         raise UncalibratedError(f"max_quality_loss needs the pair's quality table: {source}")
     return table.threshold_for(budget)
+
+
+def budget_decoding(budget, table: QualityTable | None, source: str, edge: bool = False) -> tuple[str, float]:
+    """The (mode, threshold) a request with a max_quality_loss ``budget`` runs in: ``resolve_threshold``'s threshold,
+    served by ``budget_mode`` (an ``edge`` client's stream keeps filter: its draft runs on the client)."""
+    threshold = resolve_threshold(budget, table, source)
+    return ("filter" if edge else budget_mode(threshold)), threshold

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from calid import tool_calls
 from calid.decoding.grammar import Grammar
 from calid.decoding.modes import DecodeParams
-from calid.decoding.quality_budget import QualityTable, budget_mode, resolve_threshold
+from calid.decoding.quality_budget import QualityTable, budget_decoding
 from calid.errors import InvalidRequestError
 from calid.generation import GenerationRequest, GenerationResult, SamplingParams
 from calid.text import encode_prompt
@@ -135,10 +135,9 @@ def to_request(msg: pb.GenerateRequest, tokenizer, default: DecodeParams, limits
         raise InvalidRequestError(f"max_quality_loss is a budget for mode filter, not {mode!r}")
     if loss is not None and quality is None:
         raise InvalidRequestError("max_quality_loss is filter's budget and needs a draft model; this model has none")
-    threshold = (msg.threshold if msg.HasField("threshold") else
-                 resolve_threshold(loss, *quality) if loss is not None else default.threshold)
-    if loss is not None and not edge:
-        mode = budget_mode(threshold)
+    threshold = msg.threshold if msg.HasField("threshold") else default.threshold
+    if loss is not None:
+        mode, threshold = budget_decoding(loss, *quality, edge=edge)
     decode = DecodeParams(
         mode=mode,
         gamma=msg.gamma if msg.HasField("gamma") else default.gamma,

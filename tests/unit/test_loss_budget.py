@@ -8,8 +8,8 @@ import json
 import pytest
 
 from calid.decoding.modes import DecodeParams
-from calid.decoding.quality_budget import (LossPoint, QualityTable, budget_mode, check_budget, paired_loss,
-                                           quality_path, resolve_threshold, table_for)
+from calid.decoding.quality_budget import (LossPoint, QualityTable, budget_decoding, budget_mode, check_budget,
+                                           paired_loss, quality_path, resolve_threshold, table_for)
 from calid.errors import CalidError, InvalidRequestError, UncalibratedError
 
 
@@ -61,6 +61,9 @@ def test_budgets_out_of_range_or_unresolvable_are_refused_with_what_is_accepted(
     with pytest.raises(InvalidRequestError, match="mode filter alone, not 'auto'"):  # auto takes no threshold
         DecodeParams(mode="auto", threshold=0.9, max_quality_loss=2).validate()
     assert (budget_mode(0.97), budget_mode(1.0)) == ("filter", "auto")
+    assert budget_decoding(3, TABLE, "test") == ("filter", 0.9)
+    assert budget_decoding(0, TABLE, "test") == ("auto", 1.0)  # nothing vouched for: lossless
+    assert budget_decoding(0, TABLE, "test", edge=True) == ("filter", 1.0)  # the edge client drafts
 
 
 def test_a_pairs_table_comes_from_its_file_then_its_preset_and_an_unreadable_file_says_so(tmp_path, monkeypatch):
